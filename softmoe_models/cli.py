@@ -1,0 +1,186 @@
+"""``softmoe``: the command line. Each subcommand lives next to the code it drives.
+
+Errors a user can fix print one line ``error: ...`` and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+# Modules that add subcommands: each has ``add_commands(subparsers)``.
+COMMAND_MODULES = ("softmoe_models.cli", "export.cli", "server.cli")
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _parse_size(text: str) -> float:
+    units = {"K": 1e3, "M": 1e6, "B": 1e9}
+    return float(text[:-1]) * units[text[-1]] if text and text[-1] in units else float(text)
+
+
+def cmd_models(args: argparse.Namespace) -> None:
+    from .config import VARIANTS
+    from .models import count_params
+
+    rows = []
+    for name, v in VARIANTS.items():
+        cfg = v.config(num_classes=args.num_classes, image_size=args.image_size)
+        params = count_params(cfg)
+        row = {
+            "name": name,
+            "params": params,
+            "width": v.width,
+            "patch_size": v.patch_size,
+            "layers": cfg.encoder.num_layers,
+            "num_experts": v.num_experts,
+            "moe_layers": list(cfg.encoder.moe.layers) if cfg.encoder.moe else [],
+            "paper_params": v.paper_params,
+        }
+        if v.paper_params:
+            row["vs_paper"] = round(params / _parse_size(v.paper_params) - 1, 4)
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{'name':16} {'params':>16} {'paper':>7} {'vs paper':>9}  moe layers")
+    for r in rows:
+        vs = f"{r['vs_paper']:+.2%}" if "vs_paper" in r else ""
+        print(f"{r['name']:16} {r['params']:>16,} {r['paper_params'] or '':>7} {vs:>9}  {r['moe_layers']}")
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    from .convert import convert_checkpoint
+
+    labels = None
+    if args.labels:
+        try:
+            labels = _read_labels(Path(args.labels))
+        except (OSError, ValueError) as e:
+            raise CLIError(f"cannot read labels {args.labels}: {e}") from None
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        raise CLIError(f"tokenizer file not found: {args.tokenizer}")
+    pkg, notices = convert_checkpoint(
+        args.src, args.out, labels=labels, tokenizer=args.tokenizer, head_activation=args.head_activation
+    )
+    for notice in notices:
+        print(f"note: {notice}", file=sys.stderr)
+    meta = json.loads((pkg / "config.json").read_text())
+    print(f"wrote {pkg} ({meta['kind']}, {meta['num_params']:,} params, from {meta['provenance']['format']})")
+
+
+def _read_labels(path: Path) -> list[str]:
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+        if not isinstance(data, list):
+            raise ValueError("expected a JSON list of strings")
+        return [str(x) for x in data]
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def cmd_init(args: argparse.Namespace) -> None:
+    import torch
+
+    from .config import variant_config
+    from .models import build_model
+    from .package import save_package
+
+    try:
+        cfg = variant_config(args.variant, num_classes=args.num_classes, image_size=args.image_size)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    torch.manual_seed(args.seed)
+    model = build_model(cfg)
+    _init_weights(model)
+    labels = [f"class_{i}" for i in range(cfg.num_classes)] if cfg.num_classes else None
+    pkg = save_package(
+        model, cfg, args.out, labels=labels, variant=args.variant,
+        provenance={"source": f"softmoe init {args.variant}", "format": "random-init", "seed": args.seed},
+    )
+    print(f"wrote {pkg} ({args.variant}, {sum(p.numel() for p in model.parameters()):,} params, seed {args.seed})")
+
+
+def _init_weights(model: "torch.nn.Module") -> None:  # noqa: F821
+    """Random weights with sensible scales: position embeddings N(0, 0.02), the rest as built."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("pos_embed"):
+                p.normal_(0.0, 0.02)
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="list the model variants (the paper's size table)")
+    p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.add_argument("--num-classes", type=int, default=29593, help="head size (default: the paper's 29,593-class JFT head)")
+    p.add_argument("--image-size", type=int, default=224)
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("convert", help="convert a vmoe checkpoint (npz, legacy partitioned, orbax) to a package")
+    p.add_argument("src", help="a .npz file, a legacy checkpoint prefix (or its .index), or an orbax ckpt/<step> dir")
+    p.add_argument("--out", required=True, help="output package directory")
+    p.add_argument("--labels", help="class names: a JSON list or one name per line")
+    p.add_argument("--tokenizer", help="SentencePiece .model of the text tower (two-tower)")
+    p.add_argument("--head-activation", choices=["softmax", "sigmoid"], help="classifier scores (default softmax)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("init", help="write a randomly initialised package of a variant")
+    p.add_argument("variant", help="e.g. soft-s16-e128 (see `softmoe models`)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--num-classes", type=int, default=1000)
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_init)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="softmoe", description="Soft MoE model conversion, export and serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        adder: Callable | None = getattr(module, "add_commands", None)
+        if adder is not None:
+            adder(sub)
+    return parser
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    from .convert.errors import ConversionError
+    from .package import PackageError
+
+    errors: list[type[BaseException]] = [CLIError, ConversionError, PackageError]
+    try:
+        from export.errors import ExportError
+
+        errors.append(ExportError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":  # run through the package module so exception classes are shared
+    from softmoe_models.cli import main as _main
+
+    _main()

@@ -1,0 +1,240 @@
+"""Model configurations: frozen dataclasses, saved next to the weights and checked on load.
+
+Sizes live in one table, ``VARIANTS``, with the paper's models (Puigcerver et al., Table 1) and
+vmoe's Soft MoE settings: MoE in the last half of the blocks, one slot per expert.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Classifier = Literal["gap", "token", "map"]
+TextPool = Literal["last", "first", "gap"]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Where and how wide the Soft MoE blocks are."""
+
+    layers: tuple[int, ...]  # block indices whose MLP is a Soft MoE layer
+    num_experts: int  # n
+    slots_per_expert: int = 1  # p
+    mlp_dim: int | None = None  # expert hidden width; None = the encoder's mlp_dim
+    # vmoe's routing group size (tokens). Routing here is always per sequence; this records
+    # the training value so a mismatch with the served resolution can be reported.
+    group_size: int | None = None
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """A pre-LN transformer encoder (vmoe ``EncoderMoe``)."""
+
+    hidden_size: int  # D
+    num_layers: int
+    num_heads: int  # H; head dim = D / H
+    mlp_dim: int  # M of the dense blocks
+    qk_norm: bool = True  # LayerNorm (scale only) on queries and keys per head
+    moe: MoEConfig | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True)
+class ViTConfig:
+    """vmoe ``VisionTransformerMoe``."""
+
+    encoder: EncoderConfig
+    image_size: int = 224  # square input side, pixels
+    patch_size: int = 16  # P
+    num_classes: int | None = 1000  # None: no head, the model returns pooled features
+    classifier: Classifier = "gap"
+    representation_size: int | None = None  # pre_logits Dense + tanh when set
+    in_channels: int = 3
+    map_mlp_dim: int | None = None  # MAP head MLP width (classifier 'map'); None = mlp_dim
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def num_patches(self) -> int:
+        return self.grid * self.grid
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_patches + (1 if self.classifier == "token" else 0)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.representation_size or self.encoder.hidden_size
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """vmoe contrastive ``TextTransformer``."""
+
+    encoder: EncoderConfig
+    vocab_size: int = 32000
+    max_len: int = 16  # L: sequences are padded/truncated to exactly this length
+    num_classes: int | None = None  # head output width (the image width); None: no head
+    pool_type: TextPool = "last"
+
+
+@dataclass(frozen=True)
+class TwoTowerConfig:
+    """vmoe contrastive ``TwoTower`` (LiT / SigLIP-style)."""
+
+    image: ViTConfig
+    text: TextConfig
+    has_bias: bool = True  # a learned logit bias ``b`` exists
+
+
+@dataclass(frozen=True)
+class SeqEncoderConfig:
+    """Generic Soft MoE sequence encoder (the Axon ``SoftMoE.build`` interface)."""
+
+    embed_dim: int  # input feature width
+    hidden_size: int = 256
+    num_experts: int = 4
+    num_layers: int = 4
+    dropout: float = 0.1
+    seq_len: int = 60  # window length
+    slots_per_expert: int = 1
+    expert_mult: int = 4  # expert hidden width = expert_mult * hidden_size
+
+
+ModelConfig = ViTConfig | TwoTowerConfig | SeqEncoderConfig
+
+_KINDS: dict[type, str] = {
+    ViTConfig: "classifier",
+    TwoTowerConfig: "two-tower",
+    SeqEncoderConfig: "encoder",
+}
+
+
+def kind_of(config: ModelConfig) -> str:
+    """Package kind for a config: classifier | two-tower | encoder."""
+    return _KINDS[type(config)]
+
+
+# ---------------------------------------------------------------- (de)serialisation
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """A JSON-ready dict (tuples become lists)."""
+    return json_ready(dataclasses.asdict(config))
+
+
+def json_ready(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: json_ready(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(v) for v in value]
+    return value
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    """Build dataclass ``cls`` from ``data``, strictly: unknown keys are errors."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected an object, got {type(data).__name__}")
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown field(s) {unknown}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        sub = _NESTED.get((cls, name))
+        if sub is not None and value is not None:
+            value = _build(sub, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a missing required field
+        raise ValueError(f"{cls.__name__}: {e}") from None
+
+
+_NESTED: dict[tuple[type, str], type] = {
+    (EncoderConfig, "moe"): MoEConfig,
+    (ViTConfig, "encoder"): EncoderConfig,
+    (TextConfig, "encoder"): EncoderConfig,
+    (TwoTowerConfig, "image"): ViTConfig,
+    (TwoTowerConfig, "text"): TextConfig,
+}
+
+
+def from_dict(kind: str, data: dict[str, Any]) -> ModelConfig:
+    """Inverse of ``to_dict`` for a package of the given kind."""
+    for cls, name in _KINDS.items():
+        if name == kind:
+            return _build(cls, data)
+    raise ValueError(f"unknown model kind {kind!r}; expected one of {sorted(_KINDS.values())}")
+
+
+# ---------------------------------------------------------------- the size table
+
+# name: (hidden D, layers, mlp M, heads H), vmoe get_vit_config.
+_WIDTHS: dict[str, tuple[int, int, int, int]] = {
+    "Ti": (192, 12, 768, 3),
+    "S": (384, 12, 1536, 6),
+    "B": (768, 12, 3072, 12),
+    "L": (1024, 24, 4096, 16),
+    "H": (1280, 32, 5120, 16),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One row of the size table."""
+
+    name: str
+    width: str  # Ti | S | B | L | H
+    patch_size: int
+    num_experts: int | None = None  # None: dense ViT
+    moe_last_n: int = 0  # MoE in the last n blocks
+    paper_params: str | None = None  # Table 1 of the paper (29,593-class JFT head)
+    notes: str = field(default="", compare=False)
+
+    def config(self, num_classes: int | None = 1000, image_size: int = 224) -> ViTConfig:
+        d, layers, m, h = _WIDTHS[self.width]
+        moe = None
+        if self.num_experts:
+            grid = image_size // self.patch_size
+            moe = MoEConfig(
+                layers=tuple(range(layers))[-self.moe_last_n :],
+                num_experts=self.num_experts,
+                slots_per_expert=1,
+                group_size=grid * grid,
+            )
+        enc = EncoderConfig(d, layers, h, m, qk_norm=True, moe=moe)
+        return ViTConfig(enc, image_size=image_size, patch_size=self.patch_size, num_classes=num_classes)
+
+
+VARIANTS: dict[str, Variant] = {
+    v.name: v
+    for v in [
+        Variant("vit-s16", "S", 16, paper_params="33M"),
+        Variant("vit-b16", "B", 16, paper_params="108M"),
+        Variant("vit-l16", "L", 16, paper_params="333M"),
+        Variant("vit-h14", "H", 14, paper_params="669M"),
+        Variant("soft-s16-e128", "S", 16, 128, 6, paper_params="933M"),
+        Variant("soft-s14-e256", "S", 14, 256, 6, paper_params="1.8B"),
+        Variant("soft-b16-e128", "B", 16, 128, 6, paper_params="3.7B"),
+        Variant("soft-l16-e128", "L", 16, 128, 12, paper_params="13.1B"),
+        Variant("soft-h14-e256", "H", 14, 256, 16),
+    ]
+}
+
+
+def variant_config(name: str, num_classes: int | None = 1000, image_size: int = 224) -> ViTConfig:
+    """The config of a named variant, e.g. ``soft-b16-e128``."""
+    try:
+        variant = VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+    return variant.config(num_classes=num_classes, image_size=image_size)

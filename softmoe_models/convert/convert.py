@@ -1,0 +1,138 @@
+"""vmoe parameter tree -> state dict -> model package, with every key accounted for."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+import numpy as np
+import torch
+
+from ..config import EncoderConfig, ModelConfig, TwoTowerConfig, ViTConfig
+from ..models import build_model
+from .errors import ConversionError
+from .infer import infer_config
+from .mapping import TO_TORCH, entries
+
+Params = dict[str, np.ndarray]
+
+def _inverse(layout: str, t: np.ndarray, heads: tuple[int, int] | None) -> np.ndarray:
+    """Inverse of ``TO_TORCH[layout]``; ``heads`` = (H, Dh) for attention tensors."""
+    if layout == "conv":
+        return t.transpose(2, 3, 1, 0)
+    if layout == "dense":
+        return t.T
+    if layout == "qkv":
+        return t.T.reshape(t.shape[1], *heads)
+    if layout == "qkv_bias":
+        return t.reshape(heads)
+    if layout == "out":
+        return t.T.reshape(*heads, t.shape[0])
+    return t
+
+
+def params_to_state_dict(params: Params, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map a flat vmoe parameter dict onto the state dict of ``build_model(cfg)``.
+
+    Raises:
+        ConversionError: naming every missing, unexpected or mis-shaped key.
+    """
+    table = entries(cfg)
+    expected = {f for f, _, _ in table}
+    missing = sorted(expected - set(params))
+    unexpected = sorted(set(params) - expected)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} key(s): {', '.join(missing[:10])}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} key(s): {', '.join(unexpected[:10])}")
+        raise ConversionError("checkpoint does not match the inferred architecture: " + "; ".join(parts))
+    shapes = {k: tuple(v.shape) for k, v in build_model(cfg, device="meta").state_dict().items()}
+    state: dict[str, torch.Tensor] = {}
+    for flax_key, torch_key, layout in table:
+        value = np.asarray(params[flax_key])
+        if not np.issubdtype(value.dtype, np.floating):
+            raise ConversionError(f"parameter {flax_key!r} has dtype {value.dtype}, expected a float type")
+        want = shapes[torch_key]
+        try:
+            converted = TO_TORCH[layout](value.astype(np.float32, copy=False))
+        except ValueError:
+            converted = None
+        if converted is None or tuple(converted.shape) != want:
+            raise ConversionError(
+                f"parameter {flax_key!r} has shape {tuple(value.shape)}, which does not fit {torch_key} {want}"
+            )
+        state[torch_key] = torch.from_numpy(np.array(converted, order="C", copy=True))
+    return state
+
+
+def state_dict_to_params(state: dict[str, torch.Tensor], cfg: ModelConfig) -> Params:
+    """Inverse mapping: a vmoe-layout flat parameter dict from our state dict."""
+    out: Params = {}
+    for flax_key, torch_key, layout in entries(cfg):
+        t = state[torch_key].detach().float().cpu().numpy()
+        enc = _encoder_for(cfg, flax_key)
+        out[flax_key] = np.array(_inverse(layout, t, (enc.num_heads, enc.head_dim)), order="C", copy=True)
+    return out
+
+
+def _encoder_for(cfg: ModelConfig, flax_key: str) -> EncoderConfig:
+    if isinstance(cfg, TwoTowerConfig):
+        return cfg.text.encoder if flax_key.startswith("txt/") else cfg.image.encoder
+    assert isinstance(cfg, ViTConfig)
+    return cfg.encoder
+
+
+def sha256_of(files: list[Path], root: Path | None = None) -> str:
+    """sha256 over files in order; with ``root``, relative names are hashed too."""
+    h = hashlib.sha256()
+    for f in files:
+        if root is not None:
+            h.update(str(f.relative_to(root)).encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+
+
+def convert_checkpoint(
+    src: str | Path,
+    out: str | Path,
+    labels: list[str] | None = None,
+    tokenizer: str | Path | None = None,
+    head_activation: str | None = None,
+) -> tuple[Path, list[str]]:
+    """Convert a vmoe checkpoint (npz, legacy partitioned or orbax) into a model package.
+
+    Returns:
+        The package directory and the notices collected on the way (ignored groups, ...).
+    """
+    from ..package import save_package
+    from .readers import read_checkpoint
+
+    src = Path(src)
+    params, notices, fmt = read_checkpoint(src)
+    cfg = infer_config(params)
+    state = params_to_state_dict(params, cfg)
+    model = build_model(cfg, device="meta")
+    model.load_state_dict(state, assign=True)
+    provenance = {"source": str(src), "format": fmt, "sha256": checkpoint_sha256(src, fmt)}
+    pkg = save_package(
+        model, cfg, out, labels=labels, tokenizer=tokenizer, provenance=provenance,
+        head_activation=head_activation,
+    )
+    return pkg, notices
+
+
+def checkpoint_sha256(src: Path, fmt: str) -> str:
+    """One digest for the checkpoint's bytes: the file, the shards, or the directory tree."""
+    if fmt == "vmoe-partitioned":
+        prefix = src.with_suffix("") if src.suffix == ".index" else src
+        index = prefix.with_name(prefix.name + ".index")
+        shards = sorted(prefix.parent.glob(prefix.name + ".data-*"))
+        return sha256_of([index, *shards], prefix.parent)
+    if src.is_dir():
+        return sha256_of(sorted(p for p in src.rglob("*") if p.is_file()), src)
+    return sha256_of([src])

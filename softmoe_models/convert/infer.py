@@ -1,0 +1,144 @@
+"""Infer a model config from a vmoe parameter tree (flat ``/``-joined paths -> arrays).
+
+Everything comes from names and shapes: layers from ``encoderblock_i``, heads and head dim from
+the ``(D, H, Dh)`` attention kernels, patch size and width from the ``(P, P, C, D)`` patch
+kernel, tokens (hence image size) from the position embedding, experts and slots from
+``Router/mu (D, n, p)``, MoE layers from which blocks hold ``Moe``, qk-norm from ``query_ln``,
+the classifier from ``cls`` / ``MapHead``, class count from ``head``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from ..config import EncoderConfig, MoEConfig, ModelConfig, TextConfig, TwoTowerConfig, ViTConfig
+from .errors import ConversionError
+
+Params = dict[str, np.ndarray]
+
+
+def _get(params: Params, key: str, ndim: int | None = None) -> np.ndarray:
+    if key not in params:
+        raise ConversionError(f"missing parameter {key!r}")
+    value = params[key]
+    if ndim is not None and value.ndim != ndim:
+        raise ConversionError(f"parameter {key!r} has shape {value.shape}, expected {ndim} dimensions")
+    return value
+
+
+def _block_indices(params: Params, encoder: str) -> list[int]:
+    pat = re.compile(re.escape(encoder) + r"/encoderblock_(\d+)/")
+    found = sorted({int(m.group(1)) for k in params if (m := pat.match(k))})
+    if not found:
+        raise ConversionError(f"no transformer blocks found under {encoder!r}/encoderblock_*")
+    if found != list(range(len(found))):
+        missing = sorted(set(range(found[-1] + 1)) - set(found))
+        raise ConversionError(f"{encoder}: encoder blocks are not contiguous; missing encoderblock_{missing}")
+    return found
+
+
+def infer_encoder(params: Params, encoder: str, tokens: int) -> EncoderConfig:
+    """Config of the encoder whose parameters sit under ``encoder`` (e.g. ``img/Encoder``)."""
+    blocks = _block_indices(params, encoder)
+    b0 = f"{encoder}/encoderblock_0"
+    qk = _get(params, f"{b0}/SelfAttention/query/kernel", 3)
+    d, h, dh = qk.shape
+    if h * dh != d:
+        raise ConversionError(f"{b0}/SelfAttention/query/kernel {qk.shape}: heads x head_dim != width")
+    moe_layers = [i for i in blocks if f"{encoder}/encoderblock_{i}/Moe/Router/mu" in params]
+    dense_layers = [i for i in blocks if i not in moe_layers]
+    mlp_dim = None
+    if dense_layers:
+        mlp_dim = int(_get(params, f"{encoder}/encoderblock_{dense_layers[0]}/Mlp/Dense_0/kernel", 2).shape[1])
+    moe = None
+    if moe_layers:
+        first = f"{encoder}/encoderblock_{moe_layers[0]}/Moe"
+        mu = _get(params, f"{first}/Router/mu", 3)
+        if mu.shape[0] != d:
+            raise ConversionError(f"{first}/Router/mu has shape {mu.shape}; its first axis must be the width {d}")
+        w1 = _get(params, f"{first}/Mlp/Dense_0/kernel", 3)
+        moe_mlp = int(w1.shape[2])
+        moe = MoEConfig(
+            layers=tuple(moe_layers),
+            num_experts=int(mu.shape[1]),
+            slots_per_expert=int(mu.shape[2]),
+            mlp_dim=None if moe_mlp == mlp_dim else moe_mlp,
+            group_size=tokens,
+        )
+        if mlp_dim is None:
+            mlp_dim, moe = moe_mlp, MoEConfig(moe.layers, moe.num_experts, moe.slots_per_expert, None, tokens)
+    assert mlp_dim is not None
+    return EncoderConfig(
+        hidden_size=int(d),
+        num_layers=len(blocks),
+        num_heads=int(h),
+        mlp_dim=mlp_dim,
+        qk_norm=f"{b0}/SelfAttention/query_ln/scale" in params,
+        moe=moe,
+    )
+
+
+def infer_vit(params: Params, prefix: str = "") -> ViTConfig:
+    """Config of the vmoe image model under ``prefix`` ('' for a classifier, 'img' in a TwoTower)."""
+    p = f"{prefix}/" if prefix else ""
+    kernel = _get(params, f"{p}embedding/kernel", 4)
+    ph, pw, cin, d = kernel.shape
+    if ph != pw:
+        raise ConversionError(f"{p}embedding/kernel {kernel.shape}: non-square patches are not supported")
+    has_cls = f"{p}cls" in params
+    classifier = "token" if has_cls else ("map" if f"{p}MapHead/probe" in params else "gap")
+    pos = _get(params, f"{p}Encoder/posembed_input/pos_embedding", 3)
+    tokens = int(pos.shape[1])
+    patches = tokens - (1 if has_cls else 0)
+    grid = math.isqrt(patches)
+    if grid * grid != patches:
+        raise ConversionError(
+            f"{p}Encoder/posembed_input/pos_embedding has {patches} patch tokens, not a square grid"
+        )
+    encoder = infer_encoder(params, f"{p}Encoder", tokens)
+    if encoder.hidden_size != d:
+        raise ConversionError(f"{p}embedding/kernel width {d} != encoder width {encoder.hidden_size}")
+    rep = params.get(f"{p}pre_logits/kernel")
+    head = params.get(f"{p}head/kernel")
+    map_mlp = None
+    if classifier == "map":
+        map_mlp = int(_get(params, f"{p}MapHead/Mlp/Dense_0/kernel", 2).shape[1])
+        map_mlp = None if map_mlp == encoder.mlp_dim else map_mlp
+    return ViTConfig(
+        encoder=encoder,
+        image_size=grid * int(ph),
+        patch_size=int(ph),
+        num_classes=int(head.shape[1]) if head is not None and head.ndim == 2 else None,
+        classifier=classifier,
+        representation_size=int(rep.shape[1]) if rep is not None and rep.ndim == 2 else None,
+        in_channels=int(cin),
+        map_mlp_dim=map_mlp,
+    )
+
+
+def infer_text(params: Params, prefix: str = "txt") -> TextConfig:
+    emb = _get(params, f"{prefix}/Embed_0/embedding", 2)
+    pos = _get(params, f"{prefix}/Encoder/posembed_input/pos_embedding", 3)
+    head = params.get(f"{prefix}/head/kernel")
+    return TextConfig(
+        encoder=infer_encoder(params, f"{prefix}/Encoder", int(pos.shape[1])),
+        vocab_size=int(emb.shape[0]),
+        max_len=int(pos.shape[1]),
+        num_classes=int(head.shape[1]) if head is not None and head.ndim == 2 else None,
+    )
+
+
+def infer_config(params: Params) -> ModelConfig:
+    """Classifier when ``embedding/kernel`` is at the root; TwoTower when ``img/`` and ``txt/``."""
+    if "embedding/kernel" in params:
+        return infer_vit(params)
+    if any(k.startswith("img/") for k in params) and any(k.startswith("txt/") for k in params):
+        return TwoTowerConfig(image=infer_vit(params, "img"), text=infer_text(params), has_bias="b" in params)
+    roots = sorted({k.split("/")[0] for k in params})
+    raise ConversionError(
+        "not a vmoe VisionTransformerMoe or TwoTower parameter tree: expected 'embedding/kernel' "
+        f"or 'img/...' + 'txt/...' groups, found top-level groups {roots[:12]}"
+    )

@@ -1,0 +1,219 @@
+"""The model package: one directory a server, an exporter or an evaluator can load on its own.
+
+    PKG/
+      config.json        kind, architecture, preprocessing contract, provenance (below)
+      model.safetensors  the state dict, float32
+      labels.json        optional: class names, a JSON list (classifiers)
+      tokenizer.model    optional: SentencePiece model (two-tower text input)
+
+config.json::
+
+    {"format": "softmoe-package", "format_version": 1,
+     "kind": "classifier" | "two-tower" | "encoder",
+     "variant": "soft-s16-e128" | null,
+     "model": {...the model config...},
+     "preprocess": {"image_size", "resize", "value_range", "layout", "channels", "crop"},
+     "text": {"max_len", "eos_id", "pad_id", "lowercase", ...}     (two-tower only)
+     "head_activation": "softmax" | "sigmoid" | null,
+     "labels": "labels.json" | null, "tokenizer": "tokenizer.model" | null,
+     "provenance": {"source", "format", "sha256"}, "num_params": int}
+
+Loading checks the config against the weights: every key and shape must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import ModelConfig, TwoTowerConfig, ViTConfig, from_dict, kind_of, to_dict
+from .models import build_model
+from .preprocess import PreprocessConfig
+from .soft_moe import configure_routing
+
+FORMAT = "softmoe-package"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+LABELS_FILE = "labels.json"
+TOKENIZER_FILE = "tokenizer.model"
+
+
+class PackageError(Exception):
+    """A model package is missing, malformed, or its config does not match its weights."""
+
+
+@dataclass
+class Package:
+    """A loaded package: config, preprocessing contract and optional assets."""
+
+    path: Path
+    kind: str
+    config: ModelConfig
+    preprocess: PreprocessConfig
+    meta: dict[str, Any]
+    labels: list[str] | None = None
+    text: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        name = self.meta.get("tokenizer")
+        return self.path / name if name else None
+
+    @property
+    def head_activation(self) -> str | None:
+        return self.meta.get("head_activation")
+
+
+def default_text_contract(max_len: int) -> dict[str, Any]:
+    """vmoe LAION tokenisation: ASCII lowercase, SentencePiece, EOS=1, sticky EOS, pad with 1."""
+    return {"max_len": max_len, "eos_id": 1, "pad_id": 1, "lowercase": "ascii", "add_eos": True, "sticky_eos": True}
+
+
+def save_package(
+    model: nn.Module,
+    cfg: ModelConfig,
+    out: str | Path,
+    *,
+    labels: list[str] | None = None,
+    tokenizer: str | Path | None = None,
+    provenance: dict[str, Any] | None = None,
+    head_activation: str | None = None,
+    preprocess: PreprocessConfig | None = None,
+    variant: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` (built from ``cfg``) as a package directory; returns its path."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    kind = kind_of(cfg)
+    image_cfg = cfg.image if isinstance(cfg, TwoTowerConfig) else cfg if isinstance(cfg, ViTConfig) else None
+    if labels is not None:
+        n = getattr(cfg, "num_classes", None)
+        if n is not None and len(labels) != n:
+            raise PackageError(f"{len(labels)} labels given for a model with {n} classes")
+    if head_activation is None and kind == "classifier":
+        head_activation = "softmax"
+    meta: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "kind": kind,
+        "variant": variant,
+        "model": to_dict(cfg),
+        "preprocess": to_dict(preprocess or PreprocessConfig(image_size=image_cfg.image_size)) if image_cfg else None,
+        "head_activation": head_activation,
+        "labels": LABELS_FILE if labels is not None else None,
+        "tokenizer": TOKENIZER_FILE if tokenizer is not None else None,
+        "provenance": provenance or {},
+        "num_params": sum(p.numel() for p in model.parameters()),
+    }
+    if isinstance(cfg, TwoTowerConfig):
+        meta["text"] = default_text_contract(cfg.text.max_len)
+    meta.update(extra or {})
+    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
+    if labels is not None:
+        (out / LABELS_FILE).write_text(json.dumps(list(labels), indent=1) + "\n")
+    if tokenizer is not None and Path(tokenizer).resolve() != (out / TOKENIZER_FILE).resolve():
+        shutil.copyfile(tokenizer, out / TOKENIZER_FILE)
+    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def read_package(path: str | Path) -> Package:
+    """Read and validate ``config.json`` and the assets it names (weights are not loaded)."""
+    path = Path(path)
+    cfg_file = path / CONFIG_FILE
+    if not cfg_file.is_file():
+        raise PackageError(f"{path}: not a model package (no {CONFIG_FILE})")
+    try:
+        meta = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PackageError(f"{cfg_file}: invalid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise PackageError(f"{cfg_file}: not a {FORMAT} config")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise PackageError(f"{cfg_file}: format_version {meta.get('format_version')} is not supported")
+    try:
+        cfg = from_dict(meta["kind"], meta["model"])
+        pre = PreprocessConfig.from_dict(meta["preprocess"]) if meta.get("preprocess") else PreprocessConfig(0)
+    except (KeyError, ValueError, TypeError) as e:
+        raise PackageError(f"{cfg_file}: invalid model config ({e})") from None
+    labels = None
+    if meta.get("labels"):
+        try:
+            labels = json.loads((path / meta["labels"]).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PackageError(f"{path / meta['labels']}: cannot read labels ({e})") from None
+        n = getattr(cfg, "num_classes", None)
+        if not isinstance(labels, list) or (n is not None and len(labels) != n):
+            raise PackageError(f"{path / meta['labels']}: expected a list of {n} labels")
+        labels = [str(x) for x in labels]
+    if meta.get("tokenizer") and not (path / meta["tokenizer"]).is_file():
+        raise PackageError(f"{path}: tokenizer file {meta['tokenizer']!r} is missing")
+    return Package(path, meta["kind"], cfg, pre, meta, labels, meta.get("text") or {})
+
+
+def load_weights(pkg: Package, model: nn.Module) -> None:
+    """Load ``model.safetensors`` into ``model`` after checking every key and shape."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    weights = pkg.path / WEIGHTS_FILE
+    if not weights.is_file():
+        raise PackageError(f"{pkg.path}: missing {WEIGHTS_FILE}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise PackageError(f"{weights}: cannot read weights ({e})") from None
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    bad = sorted(k for k in set(want) & set(state) if tuple(state[k].shape) != want[k])
+    if missing or unexpected or bad:
+        detail = []
+        if missing:
+            detail.append(f"missing {missing[:8]}")
+        if unexpected:
+            detail.append(f"unexpected {unexpected[:8]}")
+        if bad:
+            detail.append("shape mismatch " + ", ".join(f"{k} {tuple(state[k].shape)} != {want[k]}" for k in bad[:8]))
+        raise PackageError(f"{weights} does not match {CONFIG_FILE}: " + "; ".join(detail))
+    model.load_state_dict(state, assign=True)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    fused: bool = True,
+    bf16_dispatch: bool = False,
+) -> nn.Module:
+    """Load a package into an eval-mode module.
+
+    Args:
+        path: the package directory.
+        device: where to put the weights.
+        dtype: cast weights to this dtype (default: float32 as stored).
+        fused: fused Soft MoE routing (default) or the reference einsums.
+        bf16_dispatch: emulate vmoe's bfloat16 dispatcher (exact parity with vmoe outputs).
+    """
+    pkg = read_package(path)
+    model = build_model(pkg.config, device="meta")
+    load_weights(pkg, model)
+    model.to(device=device, dtype=dtype)
+    configure_routing(model, fused=fused, bf16_dispatch=bf16_dispatch)
+    for m in model.modules():
+        if hasattr(m, "fold"):
+            m.fold()
+    model.package = pkg  # type: ignore[assignment]
+    return model.eval().requires_grad_(False)

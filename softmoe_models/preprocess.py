@@ -1,0 +1,78 @@
+"""The model's input contract, the single source of truth shared by serving, training and eval.
+
+An RGB (or grayscale-expanded) image is resized to ``image_size`` x ``image_size`` with
+``resize``, mapped from uint8 to ``value_range`` as vmoe's ``value_range(-1, 1)`` does
+(``lo + (hi - lo) * (u8 / 255)`` in float32), and laid out NCHW.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+Resize = Literal["bilinear", "bicubic", "nearest", "box", "lanczos"]
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """How pixels become the model's ``pixel_values``."""
+
+    image_size: int  # output side, pixels (square)
+    resize: Resize = "bilinear"  # Pillow filter used to reach image_size
+    value_range: tuple[float, float] = (-1.0, 1.0)  # uint8 0..255 maps linearly onto this
+    layout: Literal["NCHW"] = "NCHW"
+    channels: Literal["RGB"] = "RGB"
+    crop: Literal["none", "center"] = "none"  # 'center': resize the short side, then crop
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PreprocessConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"preprocess: unknown field(s) {unknown}")
+        data = dict(data)
+        if "value_range" in data:
+            data["value_range"] = tuple(float(v) for v in data["value_range"])
+        return cls(**data)
+
+
+def to_pixel_values(rgb_u8: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:
+    """``(H, W, 3)`` uint8 at the model's size -> ``(3, H, W)`` float32 in ``value_range``."""
+    lo, hi = cfg.value_range
+    x = rgb_u8.astype(np.float32) / np.float32(255.0)
+    x = np.float32(lo) + np.float32(hi - lo) * x
+    return np.ascontiguousarray(x.transpose(2, 0, 1))
+
+
+def resize_image(image: "PIL.Image.Image", cfg: PreprocessConfig) -> "PIL.Image.Image":  # noqa: F821
+    """Resize (and optionally centre-crop) an RGB PIL image to the model's square size."""
+    from PIL import Image
+
+    resample = {
+        "bilinear": Image.Resampling.BILINEAR,
+        "bicubic": Image.Resampling.BICUBIC,
+        "nearest": Image.Resampling.NEAREST,
+        "box": Image.Resampling.BOX,
+        "lanczos": Image.Resampling.LANCZOS,
+    }[cfg.resize]
+    size = cfg.image_size
+    if cfg.crop == "center":
+        w, h = image.size
+        scale = size / min(w, h)
+        image = image.resize((max(size, round(w * scale)), max(size, round(h * scale))), resample)
+        w, h = image.size
+        left, top = (w - size) // 2, (h - size) // 2
+        return image.crop((left, top, left + size, top + size))
+    if image.size == (size, size):
+        return image
+    return image.resize((size, size), resample)
+
+
+def preprocess_image(image: "PIL.Image.Image", cfg: PreprocessConfig) -> np.ndarray:  # noqa: F821
+    """A decoded PIL image in any mode -> ``(3, S, S)`` float32 pixel values."""
+    if image.mode != "RGB":
+        image = image.convert("RGB")
+    return to_pixel_values(np.asarray(resize_image(image, cfg)), cfg)
