@@ -1,0 +1,378 @@
+"""Export a model package to ONNX with the Soft MoE routing fused, then prove it.
+
+The exported graph comes from the fused path of ``softmoe_models.soft_moe``: the slot matrix
+``scale * normalize(mu)`` is a constant, logits are one MatMul shared by two Softmax nodes,
+dispatch and combine are two MatMuls, experts are per-expert 2-D MatMuls (``per-expert``, fastest
+in ONNX Runtime CPU, which prepacks constant 2-D weights) or one 3-D batched MatMul per
+projection (``batched``, the compact form for GPUs and TensorRT). No ``Einsum`` node survives;
+the exporter refuses to write a graph that has one.
+
+Every export is verified: ONNX Runtime runs the written file on fixed inputs at two batch sizes
+and the result is compared with PyTorch; over the precision's tolerance the export fails.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from softmoe_models.package import Package, load_model, read_package
+from softmoe_models.soft_moe import configure_routing
+
+from .errors import ExportError
+from .graphs import Graph, graphs_for
+
+Precision = Literal["fp32", "fp16", "bf16"]
+ExpertsForm = Literal["per-expert", "batched"]
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+SUPPORTED_OPSETS = range(18, 24)  # what the dynamo exporter and onnxscript's torchlib emit
+DEFAULT_OPSET = 20  # Gelu(approximate='tanh') exists from 20
+TWO_GB = 2**31
+METADATA_PREFIX = "softmoe."
+
+
+def tolerance(precision: str, reference_max: float) -> float:
+    """Max abs error allowed vs PyTorch float32: fp32 1e-4 absolute; fp16/bf16 relative."""
+    if precision == "fp32":
+        return 1e-4
+    rel = 1e-2 if precision == "fp16" else 5e-2
+    return rel * max(1.0, reference_max)
+
+
+@dataclass
+class Verification:
+    batch: int
+    output: str
+    max_abs_err: float
+    tol: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_err <= self.tol
+
+    def line(self) -> str:
+        flag = "ok" if self.ok else "FAILED"
+        return f"verify {self.output} batch {self.batch}: max abs err {self.max_abs_err:.2e} (tol {self.tol:.0e}) {flag}"
+
+
+@dataclass
+class ExportedFile:
+    role: str
+    path: Path
+    external_data: Path | None
+    ops: dict[str, int]
+    verification: list[Verification] = field(default_factory=list)
+
+
+def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph) -> dict[str, str]:
+    meta = {
+        "format": "softmoe-onnx/1",
+        "kind": pkg.kind,
+        "graph": role,
+        "variant": pkg.meta.get("variant") or "",
+        "precision": precision,
+        "experts_form": experts,
+        "inputs": json.dumps([s.name for s in graph.inputs]),
+        "outputs": json.dumps(graph.outputs),
+        "package_config": json.dumps(pkg.meta, sort_keys=True),
+        "preprocess": json.dumps(pkg.meta.get("preprocess")),
+        "weights_sha256": _weights_sha(pkg),
+    }
+    if pkg.labels is not None:
+        meta["labels"] = json.dumps(pkg.labels)
+    tok = pkg.tokenizer_path
+    if tok is not None and role in ("text", "two-tower"):
+        meta["tokenizer_b64"] = base64.b64encode(tok.read_bytes()).decode()
+    return {METADATA_PREFIX + k: v for k, v in meta.items()}
+
+
+def _weights_sha(pkg: Package) -> str:
+    from softmoe_models.convert.convert import sha256_of
+
+    return sha256_of([pkg.path / "model.safetensors"])
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """The ``softmoe.*`` metadata of an exported file (without loading its weights)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    out: dict[str, Any] = {}
+    for prop in model.metadata_props:
+        if prop.key.startswith(METADATA_PREFIX):
+            key = prop.key[len(METADATA_PREFIX):]
+            out[key] = json.loads(prop.value) if key in ("package_config", "preprocess", "labels", "inputs", "outputs") else prop.value
+    return out
+
+
+def op_inventory(path: str | Path) -> dict[str, int]:
+    """Count of every op type in the graph, functions and subgraphs included."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    counts: dict[str, int] = {}
+
+    def walk(nodes) -> None:
+        for node in nodes:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    walk(attr.g.node)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    for g in attr.graphs:
+                        walk(g.node)
+
+    walk(model.graph.node)
+    for fn in model.functions:
+        walk(fn.node)
+    return counts
+
+
+def _export_one(graph: Graph, path: Path, opset: int, dynamic: bool, metadata: dict[str, str], external: bool | None) -> Path | None:
+    """Run the dynamo exporter for one graph; returns the external data file, if any."""
+    from torch.export import Dim
+
+    args = tuple(_trace_inputs(graph))
+    dims: dict[str, Any] = {}
+    symbols: dict[str, Any] = {}
+    for spec in graph.inputs:
+        axes = {}
+        for i, d in enumerate(spec.shape):
+            if isinstance(d, str) and dynamic:
+                axes[i] = symbols.setdefault(d, Dim(d, min=1, max=4096))
+        dims[spec.name] = axes
+    with warnings.catch_warnings(), _quiet_torch_logs():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.onnx.export(
+                graph.module, args, dynamo=True, opset_version=opset,
+                input_names=[s.name for s in graph.inputs], output_names=graph.outputs,
+                dynamic_shapes=dims if dynamic else None, verbose=False, report=False,
+            )
+        except Exception as e:  # the exporter raises many types; report one line
+            raise ExportError(f"torch.onnx export of the {graph.role} graph failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
+    _fold_constant_gathers(program.model.graph)
+    for key, value in metadata.items():
+        program.model.metadata_props[key] = value
+    program.model.graph.name = f"softmoe_{graph.role.replace('-', '_')}"
+    size = sum(v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
+    use_external = size >= TWO_GB - (64 << 20) if external is None else external
+    data = path.with_name(path.name + ".data")
+    if data.exists():
+        data.unlink()
+    program.save(str(path), external_data=use_external)
+    return data if use_external and data.exists() else None
+
+
+def _fold_constant_gathers(graph) -> int:
+    """Replace ``Gather(initializer, constant index)`` by a sliced initializer.
+
+    The per-expert form indexes the stacked ``(n, d, M)`` expert weights; left as Gathers, ONNX
+    Runtime folds them at session creation, which took minutes for a 128-expert model and kept
+    the stacked copy too. Sliced here, each expert is one 2-D constant that ONNX Runtime prepacks.
+    """
+    import numpy as np
+    import onnx_ir as ir
+
+    count = 0
+    for node in list(graph):
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        data, index = node.inputs
+        if data is None or index is None or not data.is_initializer() or index.const_value is None:
+            continue
+        axis = node.attributes.get_int("axis", 0)
+        sliced = np.take(data.const_value.numpy(), index.const_value.numpy(), axis=axis)
+        out = node.outputs[0]
+        value = ir.Value(name=f"{data.name}__{'_'.join(map(str, np.atleast_1d(index.const_value.numpy())))}",
+                         const_value=ir.tensor(np.ascontiguousarray(sliced)))
+        graph.register_initializer(value)
+        ir.convenience.replace_all_uses_with(out, value)
+        graph.remove(node, safe=True)
+        count += 1
+    if count:
+        for name, init in list(graph.initializers.items()):
+            if not init.uses() and init not in graph.outputs:
+                del graph.initializers[name]
+    return count
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """The exporter logs a warning per optional torchvision op it skips; keep the CLI clean."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _trace_inputs(graph: Graph) -> list[torch.Tensor]:
+    """Example inputs for tracing: batch 2 (a batch of 1 risks 0/1 specialisation)."""
+    from .graphs import example_inputs
+
+    ex = example_inputs(graph, batch=2)
+    return [ex[s.name] for s in graph.inputs]
+
+
+def _verify_providers(precision: str) -> list[str]:
+    """Execution providers to verify on; bf16 needs one with bf16 kernels (not ORT's CPU EP)."""
+    if precision != "bf16":
+        return ["CPUExecutionProvider"]
+    try:
+        import onnxruntime as ort
+
+        available = ort.get_available_providers()
+    except ImportError:
+        available = []
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider"]
+    raise ExportError(
+        "a bf16 ONNX graph cannot be verified here: ONNX Runtime's CPU provider has no bf16 kernels "
+        "(install onnxruntime-gpu on a CUDA machine). Use --precision fp16, or build a bf16 TensorRT "
+        "engine with `softmoe export tensorrt --precision bf16`, which starts from the fp32 graph"
+    )
+
+
+def verify(
+    path: Path, graph: Graph, reference: Graph, precision: str, batches: tuple[int, ...], vocab: int,
+    providers: list[str] | None = None,
+) -> list[Verification]:
+    """Run ``path`` in ONNX Runtime and compare with the float32 PyTorch ``reference``."""
+    from .graphs import example_inputs
+    from .runtime import ort_session
+
+    session = ort_session(path, providers=providers)
+    results = []
+    for batch in batches:
+        feeds = example_inputs(graph, batch, seed=batch, vocab=vocab)
+        with torch.no_grad():
+            ref = reference.module(*[feeds[s.name] for s in graph.inputs])
+        refs = ref if isinstance(ref, tuple) else (ref,)
+        try:
+            outs = session.run(graph.outputs, {k: v.numpy() for k, v in feeds.items()})
+        except Exception as e:
+            raise ExportError(f"{path}: ONNX Runtime could not run the exported graph: {str(e).splitlines()[0][:300]}") from None
+        for name, got, want in zip(graph.outputs, outs, refs):
+            want_np = want.numpy()
+            err = float(abs(got.astype("float64") - want_np).max()) if got.shape == want_np.shape else float("inf")
+            results.append(Verification(batch, name, err, tolerance(precision, float(abs(want_np).max()))))
+    return results
+
+
+def _out_paths(out: Path, roles: list[str]) -> dict[str, Path]:
+    """``M.onnx`` for the main graph; two-tower towers as ``M.image.onnx`` and ``M.text.onnx``."""
+    stem = out.name[: -len(".onnx")] if out.name.endswith(".onnx") else out.name
+    paths = {}
+    for role in roles:
+        name = f"{stem}.onnx" if role in ("classifier", "two-tower", "encoder") else f"{stem}.{role}.onnx"
+        paths[role] = out.with_name(name)
+    return paths
+
+
+def export_onnx(
+    package: str | Path,
+    out: str | Path | None = None,
+    *,
+    opset: int = DEFAULT_OPSET,
+    dynamic_batch: bool = True,
+    precision: Precision = "fp32",
+    experts: ExpertsForm = "per-expert",
+    towers: Literal["both", "combined", "split"] = "both",
+    external_data: bool | None = None,
+    verify_batches: tuple[int, ...] = (1, 4),
+    log=print,
+) -> list[ExportedFile]:
+    """Export ``package`` to ONNX and verify it; returns what was written.
+
+    Args:
+        package: model package directory.
+        out: output ``.onnx`` path (default ``PACKAGE/model.onnx``).
+        opset: ONNX opset, 18..23.
+        dynamic_batch: symbolic batch dimension (default) or the fixed trace batch.
+        precision: compute precision inside the graph; I/O stays float32, the Soft MoE
+            normalisation and softmaxes stay float32.
+        experts: ``per-expert`` 2-D MatMuls or ``batched`` 3-D MatMuls.
+        towers: two-tower only: the combined graph, the per-tower graphs, or both.
+        external_data: force weights into ``<file>.data`` (default: only past 2 GB).
+        verify_batches: batch sizes ONNX Runtime is checked at (static batch: the trace batch).
+        log: where progress lines go.
+
+    Raises:
+        ExportError: bad arguments, exporter failure, an Einsum in the graph, failed verification.
+    """
+    if opset not in SUPPORTED_OPSETS:
+        raise ExportError(f"unsupported opset {opset}: use {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
+    if precision not in DTYPES:
+        raise ExportError(f"unknown precision {precision!r}: use fp32, fp16 or bf16")
+    if experts not in ("per-expert", "batched"):
+        raise ExportError(f"unknown experts form {experts!r}: use per-expert or batched")
+    providers = _verify_providers(precision)
+    package = Path(package)
+    if not package.exists():
+        raise ExportError(f"model package not found: {package}")
+    pkg = read_package(package)
+    out = Path(out) if out is not None else package / "model.onnx"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    dtype = DTYPES[precision]
+
+    model = load_model(package, fused=True)
+    reference_graphs = graphs_for(model, torch.float32)
+    export_model = model if precision == "fp32" else load_model(package, fused=True, dtype=dtype)
+    configure_routing(export_model, experts_form="batched" if experts == "batched" else "per_expert")
+    graphs = graphs_for(export_model, dtype)
+    if "two-tower" in graphs:
+        keep = {"both": ["two-tower", "image", "text"], "combined": ["two-tower"], "split": ["image", "text"]}[towers]
+        graphs = {k: v for k, v in graphs.items() if k in keep}
+    paths = _out_paths(out, list(graphs))
+    vocab = getattr(getattr(model.cfg, "text", None), "vocab_size", 2)
+    batches = verify_batches if dynamic_batch else (2,)
+
+    written: list[ExportedFile] = []
+    for role, graph in graphs.items():
+        path = paths[role]
+        t0 = time.perf_counter()
+        data = _export_one(graph, path, opset, dynamic_batch, _metadata(pkg, role, precision, experts, graph), external_data)
+        ops = op_inventory(path)
+        if "Einsum" in ops:
+            path.unlink(missing_ok=True)
+            raise ExportError(f"{path}: the exported graph contains {ops['Einsum']} Einsum node(s); refusing to write it")
+        _check(path)
+        log(f"wrote {path} ({role}, opset {opset}, {precision}, experts {experts}, {sum(ops.values())} nodes, "
+            f"{'external data ' + data.name if data else 'weights inline'}, {time.perf_counter() - t0:.1f}s)")
+        results = verify(path, graph, reference_graphs[role], precision, batches, vocab, providers)
+        for r in results:
+            log(r.line())
+        failed = [r for r in results if not r.ok]
+        if failed:
+            path.unlink(missing_ok=True)
+            if data:
+                data.unlink(missing_ok=True)
+            raise ExportError(f"{path}: verification failed ({failed[0].line()}); the file was removed")
+        written.append(ExportedFile(role, path, data, ops, results))
+    return written
+
+
+def _check(path: Path) -> None:
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=False)
+    except onnx.checker.ValidationError as e:
+        raise ExportError(f"{path}: onnx.checker failed: {str(e).splitlines()[0]}") from None
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)))
