@@ -57,9 +57,18 @@ def build_stack(layers: int, seed: int = 0) -> Encoder:
     return stack
 
 
+class _Tokens(torch.nn.Module):
+    def __init__(self, stack: Encoder) -> None:
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.stack(tokens)
+
+
 def _export(stack: Encoder, path: Path, *, fused: bool, experts: str) -> dict[str, int]:
     configure_routing(stack, fused=fused, experts_form=experts)
-    graph = Graph("stack", stack, [TensorSpec("tokens", ("batch", TOKENS, D), torch.float32)], ["hidden"])
+    graph = Graph("stack", _Tokens(stack), [TensorSpec("tokens", ("batch", TOKENS, D), torch.float32)], ["hidden"])
     _export_one(graph, path, opset=20, dynamic=True, metadata={}, external=True)
     configure_routing(stack, fused=True, experts_form="batched")
     return op_inventory(path)
