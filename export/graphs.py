@@ -1,7 +1,7 @@
 """The exportable graphs of a package: plain modules with named tensor inputs and outputs.
 
-    classifier:  pixel_values (N, 3, H, W) float32        -> logits (N, K)
-                 (feature-only image models: -> image_embeds)
+    classifier:  pixel_values (N, 3, H, W) float32        -> logits (N, K), pre_logits (N, D)
+                 (feature-only image models: -> pre_logits)
     two-tower:   pixel_values (N, 3, H, W) float32        -> image_embeds (N, D), L2-normalised
                  input_ids (M, L) int64                   -> text_embeds (M, D), L2-normalised
     encoder:     inputs_embeds (N, seq_len, embed_dim)    -> hidden (N, hidden_size)
@@ -37,12 +37,17 @@ class _Cast(nn.Module):
 
 
 class ClassifierGraph(_Cast):
+    """``logits`` and the pooled representation ``pre_logits`` (what /v1/embed returns)."""
+
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         super().__init__(dtype)
         self.model = model
 
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        return self.model(self._in(pixel_values)).float()
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | torch.Tensor:
+        features = self.model.forward_features(self._in(pixel_values))
+        if self.model.head is None:
+            return features.float()
+        return self.model.head(features).float(), features.float()
 
 
 class ImageTowerGraph(_Cast):
@@ -101,8 +106,8 @@ def graphs_for(model: nn.Module, dtype: torch.dtype) -> dict[str, Graph]:
     """The graphs to export for a loaded package model, keyed by role."""
     cfg = model.cfg
     if isinstance(cfg, ViTConfig):
-        out = "logits" if cfg.num_classes else "image_embeds"
-        return {"classifier": Graph("classifier", ClassifierGraph(model, dtype), [_pixels(cfg)], [out])}
+        outs = ["logits", "pre_logits"] if cfg.num_classes else ["pre_logits"]
+        return {"classifier": Graph("classifier", ClassifierGraph(model, dtype), [_pixels(cfg)], outs)}
     if isinstance(cfg, TwoTowerConfig):
         image = ImageTowerGraph(model.image, dtype)
         text = TextTowerGraph(model.text, dtype)

@@ -74,7 +74,7 @@ class ExportedFile:
     verification: list[Verification] = field(default_factory=list)
 
 
-def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph) -> dict[str, str]:
+def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph, model=None) -> dict[str, str]:
     meta = {
         "format": "softmoe-onnx/1",
         "kind": pkg.kind,
@@ -90,6 +90,9 @@ def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Grap
     }
     if pkg.labels is not None:
         meta["labels"] = json.dumps(pkg.labels)
+    if model is not None and hasattr(model, "logit_scale"):
+        meta["logit_scale"] = repr(float(model.logit_scale))
+        meta["logit_bias"] = repr(float(model.logit_bias))
     tok = pkg.tokenizer_path
     if tok is not None and role in ("text", "two-tower"):
         meta["tokenizer_b64"] = base64.b64encode(tok.read_bytes()).decode()
@@ -344,7 +347,7 @@ def export_onnx(
     for role, graph in graphs.items():
         path = paths[role]
         t0 = time.perf_counter()
-        data = _export_one(graph, path, opset, dynamic_batch, _metadata(pkg, role, precision, experts, graph), external_data)
+        data = _export_one(graph, path, opset, dynamic_batch, _metadata(pkg, role, precision, experts, graph, model), external_data)
         ops = op_inventory(path)
         if "Einsum" in ops:
             path.unlink(missing_ok=True)

@@ -48,11 +48,12 @@ def test_classifier_export_matches_golden(pkgs, tmp_path, name, golden, experts)
     data = golden_npz(golden)
     session = ort_session(tmp_path / "m.onnx")
     assert [i.name for i in session.get_inputs()] == ["pixel_values"]
-    assert [o.name for o in session.get_outputs()] == ["logits"]
+    assert [o.name for o in session.get_outputs()] == ["logits", "pre_logits"]
     images = _nchw(data["inputs/images"])
     for batch in (1, 4):
-        (logits,) = session.run(["logits"], {"pixel_values": images[:batch]})
+        logits, pre = session.run(["logits", "pre_logits"], {"pixel_values": images[:batch]})
         assert np.abs(logits - data["outputs_fp32dispatch/logits"][:batch]).max() <= 1e-4
+        assert np.abs(pre - data["outputs_fp32dispatch/pre_logits"][:batch]).max() <= 1e-4
 
 
 def test_two_tower_export_matches_golden(pkgs, tmp_path):
@@ -78,9 +79,14 @@ def test_metadata_lets_a_server_load_the_file_alone(pkgs, tmp_path):
     export_onnx(pkgs["softmoe_e8p1"], tmp_path / "m.onnx", **QUIET)
     meta = read_metadata(tmp_path / "m.onnx")
     assert meta["kind"] == "classifier" and meta["graph"] == "classifier"
+    tt = export_onnx(pkgs["twotower"], tmp_path / "tt.onnx", towers="split", **QUIET)
+    tmeta = read_metadata(tt[1].path)
+    data = golden_npz("twotower")
+    assert float(tmeta["logit_scale"]) == pytest.approx(float(np.exp(data["params/s"])), rel=1e-6)
+    assert float(tmeta["logit_bias"]) == pytest.approx(float(data["params/b"]))
     assert meta["preprocess"]["image_size"] == 32
     assert meta["package_config"]["model"]["encoder"]["moe"]["num_experts"] == 8
-    assert meta["outputs"] == ["logits"] and len(meta["weights_sha256"]) == 64
+    assert meta["outputs"] == ["logits", "pre_logits"] and len(meta["weights_sha256"]) == 64
     onnx.checker.check_model(str(tmp_path / "m.onnx"))
 
 
@@ -94,7 +100,7 @@ def test_other_config_and_batch_sizes(tmp_path):
     images = np.random.default_rng(0).uniform(-1, 1, (7, 20, 20, 3)).astype(np.float32)
     expected = ref.vit(params, images.astype(np.float64))
     for batch in (1, 2, 7):
-        (logits,) = session.run(None, {"pixel_values": _nchw(images[:batch])})
+        logits, _ = session.run(None, {"pixel_values": _nchw(images[:batch])})
         assert np.abs(logits - expected[:batch]).max() <= 1e-4
 
 
@@ -102,7 +108,7 @@ def test_fp16_export_within_tolerance(pkgs, tmp_path):
     files = export_onnx(pkgs["softmoe_e8p1"], tmp_path / "h.onnx", precision="fp16", **QUIET)
     assert all(v.ok for v in files[0].verification)
     data = golden_npz("softmoe_e8p1")
-    (logits,) = ort_session(tmp_path / "h.onnx").run(None, {"pixel_values": _nchw(data["inputs/images"])})
+    logits, _ = ort_session(tmp_path / "h.onnx").run(None, {"pixel_values": _nchw(data["inputs/images"])})
     assert logits.dtype == np.float32
     ref_logits = data["outputs_fp32dispatch/logits"]
     assert np.abs(logits - ref_logits).max() <= 1e-2 * max(1.0, np.abs(ref_logits).max())
@@ -131,7 +137,7 @@ def test_external_data_has_a_per_model_name(pkgs, tmp_path):
     assert locations == {"a.onnx.data"}
     assert (tmp_path / "a.onnx").stat().st_size < (tmp_path / "a.onnx.data").stat().st_size
     data = golden_npz("softmoe_e4p2")
-    (logits,) = ort_session(tmp_path / "a.onnx").run(None, {"pixel_values": _nchw(data["inputs/images"])})
+    logits, _ = ort_session(tmp_path / "a.onnx").run(None, {"pixel_values": _nchw(data["inputs/images"])})
     assert np.abs(logits - data["outputs_fp32dispatch/logits"]).max() <= 1e-4
 
 

@@ -1,0 +1,1 @@
+"""softmoe-serve HTTP server: decode -> preprocess -> deterministic batcher -> backend -> postprocess."""

@@ -1,0 +1,68 @@
+"""The backend interface: what a model can compute, on fixed-name numpy tensors.
+
+Functions (the same names on every backend):
+    classify:  pixel_values (B, 3, S, S) float32 -> logits (B, K), pre_logits (B, D)
+    image:     pixel_values (B, 3, S, S) float32 -> image_embeds (B, D), L2-normalised
+    text:      input_ids (B, L) int64            -> text_embeds (B, D), L2-normalised
+    encoder:   inputs_embeds (B, T, E) float32    -> hidden (B, H)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+Rows = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    shape: tuple[int, ...]  # without the batch axis
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class FunctionSpec:
+    inputs: tuple[InputSpec, ...]
+    outputs: tuple[str, ...]
+
+
+class Backend(Protocol):
+    name: str  # torch | onnxruntime | tensorrt
+    functions: dict[str, FunctionSpec]
+    max_batch_size: int
+
+    def run(self, fn: str, inputs: Rows) -> Rows: ...
+
+    def warmup(self, batch_sizes: list[int]) -> None: ...
+
+    def describe(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def specs_from_graphs(graphs) -> dict[str, FunctionSpec]:
+    """FunctionSpecs from ``export.graphs`` Graph objects, keyed by server function name."""
+    import torch
+
+    role_to_fn = {"classifier": "classify", "image": "image", "text": "text", "encoder": "encoder"}
+    out = {}
+    for role, g in graphs.items():
+        if role not in role_to_fn:
+            continue
+        inputs = tuple(
+            InputSpec(s.name, tuple(int(d) for d in s.shape[1:]), np.dtype(np.int64 if s.dtype == torch.int64 else np.float32))
+            for s in g.inputs
+        )
+        out[role_to_fn[role]] = FunctionSpec(inputs, tuple(g.outputs))
+    return out
+
+
+def warm(backend: Backend, batch_sizes: list[int]) -> None:
+    """Run every function once at every batch size (zeros): no lazy work on the request path."""
+    for fn, spec in backend.functions.items():
+        for b in batch_sizes:
+            backend.run(fn, {s.name: np.zeros((b, *s.shape), dtype=s.dtype) for s in spec.inputs})

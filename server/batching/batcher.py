@@ -1,0 +1,242 @@
+"""Dynamic batching with one worker thread per device. Knows nothing about HTTP.
+
+``Batcher.submit(queue, row)`` returns an asyncio future for one item (one image or one text).
+The device's worker collects items of one queue (one model function) until ``max_batch_size``
+or ``max_delay_ms`` after the oldest, drops those whose future was cancelled (the client left)
+or whose deadline passed (they never reach the model), runs the backend, and resolves every
+future with its own row or its own exception.
+
+Strict determinism: every backend call has exactly ``max_batch_size`` rows (zero padding), so
+the kernels, their tiling and their reduction order never depend on how many items were
+waiting; Soft MoE routes each sequence on its own, so an item's outputs are bitwise identical
+whatever its batch-mates are. Without it, calls have as many rows as items.
+
+Failure isolation: if a call raises, each of its items is re-run alone (same padded shape), so a
+poisoned item fails only itself. An error flagged fatal (``FatalBackendError``, e.g. a sticky
+CUDA error) stops the worker and marks the device dead: every waiting item gets 503 and
+liveness fails so the orchestrator restarts the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import BackendFailure, DeadlineExceeded, QueueFull, Unavailable
+from ..metrics import Metrics
+
+Rows = dict[str, np.ndarray]
+
+
+class FatalBackendError(RuntimeError):
+    """The device is unusable (the process must be restarted)."""
+
+
+@dataclass
+class Item:
+    row: Rows  # one item's tensors, no batch axis
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    enqueued: float  # perf_counter at submit
+    deadline: float  # perf_counter after which it must not be computed
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    outputs: Rows
+    timings: dict[str, float]  # seconds: queue, inference
+
+
+class ModelQueue:
+    """The waiting items of one model function (e.g. ``digits-lit/text``)."""
+
+    def __init__(
+        self, name: str, label: str, fn: Callable[[Rows], Rows], *, max_batch_size: int,
+        max_delay_s: float, max_queue: int, pad: bool, metrics: Metrics | None = None,
+    ) -> None:
+        self.name, self.label, self.fn = name, label, fn
+        self.max_batch_size, self.max_delay_s, self.max_queue, self.pad = max_batch_size, max_delay_s, max_queue, pad
+        self.metrics = metrics
+        self.items: deque[Item] = deque()
+
+    def _gauge(self) -> None:
+        if self.metrics:
+            self.metrics.queue_depth.labels(self.label).set(len(self.items))
+
+
+class Batcher:
+    """One worker thread owning one device, serving every model queue on it."""
+
+    def __init__(self, device: str = "cpu", metrics: Metrics | None = None) -> None:
+        self.device = device
+        self.metrics = metrics
+        self.queues: list[ModelQueue] = []
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.dead: str | None = None  # set when a fatal error stopped the worker
+        self.before_call: Callable[[ModelQueue, list[Item]], None] | None = None  # test/fault hook
+        self._thread = threading.Thread(target=self._run, name=f"softmoe-worker-{device}", daemon=True)
+        self.calls = 0
+
+    def add_queue(self, queue: ModelQueue) -> ModelQueue:
+        self.queues.append(queue)
+        return queue
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Finish what is queued, then stop the worker."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def depth(self, queue: ModelQueue | None = None) -> int:
+        with self._cond:
+            return sum(len(q.items) for q in self.queues if queue is None or q is queue)
+
+    # ------------------------------------------------------------------ event-loop side
+
+    def submit(self, queue: ModelQueue, row: Rows, timeout_s: float) -> asyncio.Future:
+        """Queue one item; the returned future resolves to a ``Result`` or raises a ServiceError."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if self.dead:
+            raise Unavailable(f"the {self.device} worker stopped after a fatal error: {self.dead}", retry_after_s=5)
+        now = time.perf_counter()
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("the server is shutting down", retry_after_s=2)
+            if len(queue.items) >= queue.max_queue:
+                if self.metrics:
+                    self.metrics.rejected.labels(queue.label, "queue_full").inc()
+                raise QueueFull(f"model {queue.label!r} has {len(queue.items)} items queued (limit {queue.max_queue})")
+            queue.items.append(Item(row, fut, loop, now, now + timeout_s))
+            queue._gauge()
+            self._cond.notify()
+        return fut
+
+    # ------------------------------------------------------------------ worker side
+
+    def _next_batch(self) -> tuple[ModelQueue, list[Item]] | None:
+        with self._cond:
+            while True:
+                waiting = [q for q in self.queues if q.items]
+                if not waiting:
+                    if self._stopping:
+                        return None
+                    self._cond.wait()
+                    continue
+                queue = min(waiting, key=lambda q: q.items[0].enqueued)  # oldest head first
+                ready_at = queue.items[0].enqueued + queue.max_delay_s
+                now = time.perf_counter()
+                if len(queue.items) < queue.max_batch_size and now < ready_at and not self._stopping:
+                    self._cond.wait(ready_at - now)
+                    continue
+                batch = [queue.items.popleft() for _ in range(min(queue.max_batch_size, len(queue.items)))]
+                queue._gauge()
+                return queue, batch
+
+    def _run(self) -> None:
+        while True:
+            got = self._next_batch()
+            if got is None:
+                return
+            queue, batch = got
+            live = self._admit(queue, batch)
+            if not live:
+                continue
+            try:
+                self._call(queue, live)
+            except FatalBackendError as e:
+                self._die(str(e), live)
+                return
+
+    def _admit(self, queue: ModelQueue, batch: list[Item]) -> list[Item]:
+        """Drop cancelled items and those past their deadline (they never reach the model)."""
+        now = time.perf_counter()
+        live = []
+        for item in batch:
+            if item.future.cancelled() or item.future.done():
+                if self.metrics:
+                    self.metrics.rejected.labels(queue.label, "cancelled").inc()
+            elif now > item.deadline:
+                if self.metrics:
+                    self.metrics.rejected.labels(queue.label, "deadline").inc()
+                self._resolve(item, DeadlineExceeded(f"the request waited {now - item.enqueued:.2f}s in the queue, past its deadline"))
+            else:
+                live.append(item)
+        return live
+
+    def _call(self, queue: ModelQueue, items: list[Item]) -> None:
+        start = time.perf_counter()
+        try:
+            if self.before_call is not None:
+                self.before_call(queue, items)
+            outputs = self._infer(queue, items)
+        except FatalBackendError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failing batch fails its own requests only
+            if len(items) > 1:
+                for item in items:
+                    self._call(queue, [item])
+                return
+            self._resolve(items[0], BackendFailure(f"inference failed: {type(e).__name__}: {e}"[:500]))
+            return
+        elapsed = time.perf_counter() - start
+        for i, item in enumerate(items):
+            timings = {"queue": start - item.enqueued, "inference": elapsed}
+            self._resolve(item, Result({k: v[i] for k, v in outputs.items()}, timings))
+
+    def _infer(self, queue: ModelQueue, items: list[Item]) -> Rows:
+        n = len(items)
+        rows = queue.max_batch_size if queue.pad else n
+        stacked: Rows = {}
+        for name in items[0].row:
+            first = items[0].row[name]
+            arr = np.zeros((rows, *first.shape), dtype=first.dtype)
+            for i, item in enumerate(items):
+                arr[i] = item.row[name]
+            stacked[name] = arr
+        outputs = queue.fn(stacked)
+        self.calls += 1
+        if self.metrics:
+            self.metrics.batch_size.labels(queue.label).observe(n)
+            self.metrics.batch_padding_ratio.labels(queue.label).observe((rows - n) / rows)
+            self.metrics.batches.labels(queue.label).inc()
+        return outputs
+
+    def _die(self, reason: str, current: list[Item]) -> None:
+        with self._cond:
+            self.dead = reason
+            self._stopping = True
+            pending = current + [item for q in self.queues for item in q.items]
+            for q in self.queues:
+                q.items.clear()
+                q._gauge()
+        for item in pending:
+            self._resolve(item, Unavailable(f"the {self.device} device failed: {reason}", retry_after_s=5))
+
+    @staticmethod
+    def _resolve(item: Item, value: Any) -> None:
+        def settle() -> None:
+            if item.future.done():
+                return
+            if isinstance(value, BaseException):
+                item.future.set_exception(value)
+            else:
+                item.future.set_result(value)
+
+        try:
+            item.loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop is closed (shutdown): nobody is waiting any more
+            pass

@@ -1,0 +1,67 @@
+"""One exception hierarchy, one table to HTTP status, one JSON body shape.
+
+Body (OpenAI-style, so SDK clients surface the message)::
+
+    {"error": {"message": "...", "type": "invalid_request", "code": 400, "param": "images[0]"}}
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        err = {"message": self.message, "type": self.type, "code": self.status}
+        if self.param:
+            err["param"] = self.param
+        return {"error": err}
+
+
+class BadRequest(ServiceError):
+    status, type = 400, "invalid_request"
+
+
+class NotFound(ServiceError):
+    status, type = 404, "not_found"
+
+
+class PayloadTooLarge(ServiceError):
+    status, type = 413, "payload_too_large"
+
+
+class UnsupportedMediaType(ServiceError):
+    status, type = 415, "unsupported_media_type"
+
+
+class Unprocessable(ServiceError):
+    status, type = 422, "invalid_request"
+
+
+class QueueFull(ServiceError):
+    status, type = 429, "overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, round(retry_after_s)))})
+
+
+class Unavailable(ServiceError):
+    status, type = 503, "unavailable"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message, headers={"Retry-After": str(max(1, round(retry_after_s)))})
+
+
+class DeadlineExceeded(ServiceError):
+    status, type = 504, "deadline_exceeded"
+
+
+class BackendFailure(Unavailable):
+    """The backend raised while computing a batch: that batch's requests get 503."""

@@ -1,0 +1,159 @@
+"""Request and response bodies (pydantic), shared by the routes and the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: int
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class ClassifyRequest(_Strict):
+    model: str | None = Field(None, description="served model name; default: the first classifier")
+    images: list[str] = Field(..., min_length=1, description="base64 strings or data:image/...;base64, URIs")
+    top_k: int = Field(5, ge=1, le=1000, description="labels returned per image")
+
+
+class Prediction(BaseModel):
+    label: str
+    index: int
+    score: float
+
+
+class ClassifyResult(BaseModel):
+    predictions: list[Prediction]
+
+
+class ClassifyResponse(BaseModel):
+    model: str
+    results: list[ClassifyResult]
+
+
+class EmbedRequest(_Strict):
+    model: str | None = Field(None, description="served model name; default: the first model that can embed")
+    images: list[str] | None = Field(None, description="base64 strings or data URIs")
+    texts: list[str] | None = Field(None, description="texts (two-tower models with a tokenizer)")
+    normalize: bool = Field(True, description="L2-normalise (two-tower embeddings are always normalised)")
+
+
+class EmbedResponse(BaseModel):
+    model: str
+    image_embeddings: list[list[float]] | None = None
+    text_embeddings: list[list[float]] | None = None
+
+
+class ZeroShotRequest(_Strict):
+    model: str | None = Field(None, description="served two-tower model; default: the first one")
+    images: list[str] = Field(..., min_length=1)
+    labels: list[str] = Field(..., min_length=1, description="candidate labels")
+    templates: list[str] | None = Field(None, description="prompt templates with one '{}' each; default: the model's")
+    activation: Literal["sigmoid", "softmax"] = Field("sigmoid", description="sigmoid: vmoe's SigLIP match "
+                                                      "probability per label; softmax: over the labels")
+
+
+class LabelScore(BaseModel):
+    label: str
+    score: float
+
+
+class ZeroShotResult(BaseModel):
+    scores: list[LabelScore]
+
+
+class ZeroShotResponse(BaseModel):
+    model: str
+    results: list[ZeroShotResult]
+
+
+class EmbeddingsRequest(BaseModel):
+    """OpenAI ``POST /v1/embeddings``; image inputs as ``data:image/...;base64,`` URIs."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str
+    input: str | list[str] = Field(..., description="texts and/or image data URIs")
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: Usage
+
+
+class OIPTensor(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, Any] | None = None
+    data: list[Any] | None = None
+
+
+class OIPRequestedOutput(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    parameters: dict[str, Any] | None = None
+
+
+class OIPInferRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    inputs: list[OIPTensor]
+    outputs: list[OIPRequestedOutput] | None = None
+
+
+class OIPInferResponse(BaseModel):
+    model_name: str
+    model_version: str | None = None
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+    outputs: list[OIPTensor]
+
+
+class OIPMetadataTensor(BaseModel):
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+class OIPModelMetadata(BaseModel):
+    name: str
+    versions: list[str]
+    platform: str
+    inputs: list[OIPMetadataTensor]
+    outputs: list[OIPMetadataTensor]
+
+
+class OIPServerMetadata(BaseModel):
+    name: str
+    version: str
+    extensions: list[str]

@@ -1,0 +1,335 @@
+"""What the endpoints do, on decoded inputs: routes parse HTTP, this computes, nothing touches
+tensors in a route. Every image and text carries its own stage timings into the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from softmoe_models.preprocess import preprocess_image
+
+from .batching.batcher import Batcher, Result
+from .errors import BadRequest, NotFound, Unavailable, Unprocessable
+from .metrics import Metrics
+from .pipeline.decode import decode
+from .registry import ServedModel
+from .settings import Settings
+
+
+@dataclass
+class Timings:
+    """Per-item stage durations (seconds) of one request; headers report the max over items."""
+
+    items: list[dict[str, float]] = field(default_factory=list)
+
+    def add(self, stage: str, values: list[float]) -> None:
+        while len(self.items) < len(values):
+            self.items.append({})
+        for d, v in zip(self.items, values):
+            d[stage] = d.get(stage, 0.0) + v
+
+    def headers(self) -> dict[str, str]:
+        out = {}
+        for stage in ("decode", "preprocess", "queue", "inference", "postprocess"):
+            vals = [d[stage] for d in self.items if stage in d]
+            if vals:
+                out[f"x-{stage}-time"] = f"{max(vals) * 1e3:.2f}"
+        return out
+
+
+def decode_b64(value: str, param: str) -> bytes:
+    """base64 or ``data:image/...;base64,`` string -> bytes; URLs are refused (never fetched)."""
+    if not isinstance(value, str):
+        raise BadRequest("expected a base64 string or a data URI", param=param)
+    v = value.strip()
+    low = v[:16].lower()
+    if low.startswith(("http://", "https://", "ftp://", "file:", "s3://", "gs://", "//")):
+        raise Unprocessable("image URLs are not fetched; send the image bytes (base64 or a data URI)", param=param)
+    if low.startswith("data:"):
+        header, sep, payload = v.partition(",")
+        if not sep or ";base64" not in header.lower():
+            raise BadRequest("malformed data URI: expected data:image/<type>;base64,<data>", param=param)
+        if not header[5:].lower().startswith("image/"):
+            raise Unprocessable(f"data URI media type {header[5:].split(';')[0]!r} is not an image", param=param)
+        v = payload
+    try:
+        data = base64.b64decode(v, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest("invalid base64 image data", param=param) from None
+    if not data:
+        raise BadRequest("empty image", param=param)
+    return data
+
+
+class LabelCache:
+    """Bounded LRU of text embeddings keyed by (model, text)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._d: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+
+    def get(self, key: tuple[str, str]) -> np.ndarray | None:
+        v = self._d.get(key)
+        if v is not None:
+            self._d.move_to_end(key)
+        return v
+
+    def put(self, key: tuple[str, str], value: np.ndarray) -> None:
+        if self.size <= 0:
+            return
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.size:
+            self._d.popitem(last=False)
+
+
+class Service:
+    def __init__(self, settings: Settings, models: dict[str, ServedModel], batcher: Batcher, metrics: Metrics) -> None:
+        self.settings, self.models, self.batcher, self.metrics = settings, models, batcher, metrics
+        self.pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="softmoe-decode")
+        self.label_cache = LabelCache(settings.label_cache_size)
+
+    # ------------------------------------------------------------------ model lookup
+
+    def pick(self, name: str | None, fn: str, what: str) -> ServedModel:
+        """The named model (it must support ``fn``), or the first served model that does."""
+        if name:
+            model = self.models.get(name)
+            if model is None:
+                raise NotFound(f"model {name!r} is not served; served: {sorted(self.models)}", param="model")
+            if not model.can(fn):
+                raise Unprocessable(f"model {name!r} ({model.kind}) cannot {what}", param="model")
+        else:
+            model = next((m for m in self.models.values() if m.can(fn)), None)
+            if model is None:
+                raise NotFound(f"no served model can {what}", param="model")
+        if not model.ready:
+            raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
+        return model
+
+    def check_count(self, n: int, limit: int, what: str, param: str) -> None:
+        if n == 0:
+            raise Unprocessable(f"no {what} given", param=param)
+        if n > limit:
+            raise Unprocessable(f"{n} {what} in one request; the limit is {limit}", param=param)
+
+    # ------------------------------------------------------------------ stages
+
+    async def pixel_rows(self, model: ServedModel, blobs: list[bytes], timings: Timings, param: str = "images") -> list[np.ndarray]:
+        """Decode and preprocess every image in the thread pool, concurrently."""
+        self.check_count(len(blobs), self.settings.max_images_per_request, "images", param)
+        if model.preprocess is None:
+            raise Unprocessable(f"model {model.name!r} takes no images", param="model")
+        cfg, loop = model.preprocess, asyncio.get_running_loop()
+
+        def work(data: bytes, i: int) -> tuple[np.ndarray, float, float]:
+            t0 = time.perf_counter()
+            try:
+                im = decode(data, cfg.image_size, self.settings.max_image_pixels)
+            except Exception as e:
+                if getattr(e, "param", None) is None and hasattr(e, "param"):
+                    e.param = f"{param}[{i}]"
+                raise
+            t1 = time.perf_counter()
+            px = preprocess_image(im, cfg)
+            return px, t1 - t0, time.perf_counter() - t1
+
+        done = await asyncio.gather(*(loop.run_in_executor(self.pool, work, b, i) for i, b in enumerate(blobs)))
+        timings.add("decode", [d for _, d, _ in done])
+        timings.add("preprocess", [p for _, _, p in done])
+        for _, d, p in done:
+            self.metrics.image_latency.labels(model.name, "decode").observe(d)
+            self.metrics.image_latency.labels(model.name, "preprocess").observe(p)
+        return [px for px, _, _ in done]
+
+    async def run(self, model: ServedModel, fn: str, rows: list[dict[str, np.ndarray]], timings: Timings,
+                  disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[Result]:
+        """Submit every row to the model's queue and wait for all; a client that leaves cancels them."""
+        queue = model.queues[fn]
+        futures = []
+        try:
+            for row in rows:
+                futures.append(self.batcher.submit(queue, row, self.settings.request_timeout_s))
+        except Exception:
+            for f in futures:
+                f.cancel()
+            raise
+        gathered = asyncio.ensure_future(asyncio.gather(*futures))
+        try:
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=0.05)
+                if done:
+                    break
+                if disconnected is not None and await disconnected():
+                    gathered.cancel()
+                    self.metrics.rejected.labels(model.name, "client_disconnected").inc()
+                    raise asyncio.CancelledError("client disconnected")
+            results: list[Result] = gathered.result()
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+        timings.add("queue", [r.timings["queue"] for r in results])
+        timings.add("inference", [r.timings["inference"] for r in results])
+        for r in results:
+            self.metrics.image_latency.labels(model.name, "queue").observe(r.timings["queue"])
+            self.metrics.image_latency.labels(model.name, "inference").observe(r.timings["inference"])
+        return results
+
+    def finish(self, model: ServedModel, endpoint: str, timings: Timings, t_post: float, t_start: float) -> None:
+        post = time.perf_counter() - t_post
+        total = time.perf_counter() - t_start
+        n = max(1, len(timings.items))
+        timings.add("postprocess", [post] * n)
+        for _ in range(n):
+            self.metrics.image_latency.labels(model.name, "postprocess").observe(post)
+            self.metrics.image_latency.labels(model.name, "total").observe(total)
+        self.metrics.images.labels(model.name, endpoint).inc(n)
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def classify(self, name, blobs, top_k, disconnected=None):
+        t0, timings = time.perf_counter(), Timings()
+        model = self.pick(name, "classify", "classify images")
+        pixels = await self.pixel_rows(model, blobs, timings)
+        results = await self.run(model, "classify", [{"pixel_values": p} for p in pixels], timings, disconnected)
+        t_post = time.perf_counter()
+        out = []
+        for r in results:
+            logits = r.outputs["logits"].astype(np.float64)
+            if model.head_activation == "sigmoid":
+                scores = 1 / (1 + np.exp(-logits))
+            else:
+                e = np.exp(logits - logits.max())
+                scores = e / e.sum()
+            k = min(top_k, len(scores))
+            idx = np.argsort(-scores, kind="stable")[:k]
+            labels = model.labels or [str(i) for i in range(len(scores))]
+            out.append({"predictions": [{"label": labels[i], "index": int(i), "score": float(scores[i])} for i in idx]})
+        self.finish(model, "classify", timings, t_post, t0)
+        return model, out, timings
+
+    async def embed_images(self, model: ServedModel, blobs, normalize: bool, timings: Timings, disconnected=None):
+        pixels = await self.pixel_rows(model, blobs, timings)
+        fn, key = ("image", "image_embeds") if model.can("image") else ("classify", "pre_logits")
+        results = await self.run(model, fn, [{"pixel_values": p} for p in pixels], timings, disconnected)
+        vecs = [r.outputs[key].astype(np.float32) for r in results]
+        if normalize and fn == "classify":
+            vecs = [v / (np.linalg.norm(v) + 1e-8) for v in vecs]
+        return vecs
+
+    async def embed_texts(self, model: ServedModel, texts: list[str], timings: Timings, disconnected=None, param="texts"):
+        self.check_count(len(texts), self.settings.max_texts_per_request, "texts", param)
+        if model.tokenizer is None:
+            raise Unprocessable(f"model {model.name!r} has no tokenizer: send token ids through "
+                                f"/v2/models/{model.name}/infer (input_ids)", param=param)
+        for i, t in enumerate(texts):
+            if not isinstance(t, str):
+                raise Unprocessable("texts must be strings", param=f"{param}[{i}]")
+            if len(t) > self.settings.max_text_chars:
+                raise Unprocessable(f"text of {len(t)} characters; the limit is {self.settings.max_text_chars}", param=f"{param}[{i}]")
+        ids = model.tokenizer(texts)
+        results = await self.run(model, "text", [{"input_ids": row} for row in ids], timings, disconnected)
+        return [r.outputs["text_embeds"].astype(np.float32) for r in results]
+
+    async def embed(self, name, blobs, texts, normalize, disconnected=None):
+        t0, timings = time.perf_counter(), Timings()
+        if not blobs and not texts:
+            raise Unprocessable("send images and/or texts", param="images")
+        fn = "text" if texts and not blobs else ("image" if texts else "classify")
+        model = self.pick(name, fn, "embed texts" if fn == "text" else "embed images") if fn != "classify" else self._embedder(name)
+        if not normalize and model.kind == "two-tower":
+            raise Unprocessable("two-tower embeddings are always L2-normalised (vmoe); omit normalize or set it true",
+                                param="normalize")
+        image_vecs = await self.embed_images(model, blobs, normalize, timings, disconnected) if blobs else None
+        text_vecs = await self.embed_texts(model, texts, Timings(), disconnected) if texts else None
+        t_post = time.perf_counter()
+        self.finish(model, "embed", timings, t_post, t0)
+        return model, image_vecs, text_vecs, timings
+
+    def _embedder(self, name):
+        """Any image model can embed: two-tower image towers, or a classifier's pooled features."""
+        if name:
+            model = self.models.get(name)
+            if model is None:
+                raise NotFound(f"model {name!r} is not served; served: {sorted(self.models)}", param="model")
+            if not (model.can("image") or model.can("classify")):
+                raise Unprocessable(f"model {name!r} ({model.kind}) cannot embed images", param="model")
+            if not model.ready:
+                raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
+            return model
+        for fn in ("image", "classify"):
+            m = next((m for m in self.models.values() if m.can(fn)), None)
+            if m is not None:
+                return self.pick(m.name, fn, "embed images")
+        raise NotFound("no served model can embed images", param="model")
+
+    async def label_embeddings(self, model: ServedModel, labels: list[str], templates: list[str], disconnected=None) -> np.ndarray:
+        """(len(labels), D): per label the renormalised mean of its prompts' embeddings, cached per prompt."""
+        prompts = [[t.replace("{}", label) if "{}" in t else f"{t} {label}" for t in templates] for label in labels]
+        flat = sorted({p for ps in prompts for p in ps})
+        missing = [p for p in flat if self.label_cache.get((model.name, p)) is None]
+        self.metrics.cache_hits.labels(model.name, "hit").inc(len(flat) - len(missing))
+        self.metrics.cache_hits.labels(model.name, "miss").inc(len(missing))
+        if missing:
+            for start in range(0, len(missing), self.settings.max_texts_per_request):
+                chunk = missing[start: start + self.settings.max_texts_per_request]
+                vecs = await self.embed_texts(model, chunk, Timings(), disconnected, param="labels")
+                for p, v in zip(chunk, vecs):
+                    self.label_cache.put((model.name, p), v)
+        table = {p: self.label_cache.get((model.name, p)) for p in flat}
+        if any(v is None for v in table.values()):  # evicted under a tiny cache: compute directly
+            vecs = await self.embed_texts(model, flat, Timings(), disconnected, param="labels")
+            table = dict(zip(flat, vecs))
+        out = []
+        for ps in prompts:
+            mean = np.mean([table[p] for p in ps], axis=0)
+            out.append(mean / (np.linalg.norm(mean) + 1e-8))
+        return np.stack(out).astype(np.float32)
+
+    async def zero_shot(self, name, blobs, labels, templates, activation, disconnected=None):
+        t0, timings = time.perf_counter(), Timings()
+        model = self.pick(name, "text", "do zero-shot classification")
+        if not model.can("image"):
+            raise Unprocessable(f"model {model.name!r} has no image tower", param="model")
+        self.check_count(len(labels), self.settings.max_texts_per_request, "labels", "labels")
+        for i, label in enumerate(labels):
+            if not isinstance(label, str) or not label.strip():
+                raise Unprocessable("labels must be non-empty strings", param=f"labels[{i}]")
+            if len(label) > self.settings.max_text_chars:
+                raise Unprocessable(f"label of {len(label)} characters; the limit is {self.settings.max_text_chars}", param=f"labels[{i}]")
+        if len(set(labels)) != len(labels):
+            raise Unprocessable("labels must be distinct", param="labels")
+        templates = templates or model.templates
+        self.check_count(len(templates), 32, "templates", "templates")
+        for i, t in enumerate(templates):
+            if not isinstance(t, str) or t.count("{}") > 1 or len(t) > self.settings.max_text_chars:
+                raise Unprocessable("a template is a string with at most one '{}'", param=f"templates[{i}]")
+        zlab = await self.label_embeddings(model, labels, templates, disconnected)
+        zimg = np.stack(await self.embed_images(model, blobs, True, timings, disconnected))
+        t_post = time.perf_counter()
+        scale = model.logit_scale if model.logit_scale is not None else 1.0
+        bias = model.logit_bias or 0.0
+        logits = scale * (zimg.astype(np.float64) @ zlab.astype(np.float64).T) + bias
+        if activation == "softmax":
+            e = np.exp(logits - logits.max(axis=1, keepdims=True))
+            scores = e / e.sum(axis=1, keepdims=True)
+        else:
+            scores = 1 / (1 + np.exp(-logits))
+        results = []
+        for row in scores:
+            order = sorted(range(len(labels)), key=lambda j: (-row[j], labels[j]))
+            results.append({"scores": [{"label": labels[j], "score": float(row[j])} for j in order]})
+        self.finish(model, "zero_shot", timings, t_post, t0)
+        return model, results, timings
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
