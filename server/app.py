@@ -31,8 +31,15 @@ from .settings import Settings
 log = logging.getLogger("softmoe.server")
 
 
-def _error(exc: ServiceError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+def _error(exc: ServiceError, path: str = "") -> JSONResponse:
+    return JSONResponse(_body(exc.body(), path), status_code=exc.status, headers=exc.headers)
+
+
+def _body(body: dict, path: str) -> dict:
+    """Open Inference Protocol routes use its error shape, ``{"error": "<message>"}``."""
+    if path.startswith("/v2"):
+        return {"error": body["error"]["message"]}
+    return body
 
 
 class BodyLimit:
@@ -52,7 +59,8 @@ class BodyLimit:
             except ValueError:
                 too_big = False
             if too_big:
-                return await _error(PayloadTooLarge(f"request body of {int(length)} bytes exceeds the limit of {self.limit}"))(scope, receive, send)
+                too_large = PayloadTooLarge(f"request body of {int(length)} bytes exceeds the limit of {self.limit}")
+                return await _error(too_large, scope.get("path", ""))(scope, receive, send)
         received = 0
         started = False
 
@@ -75,7 +83,8 @@ class BodyLimit:
             await self.app(scope, counted, tracking_send)
         except _TooLarge:
             if not started:
-                await _error(PayloadTooLarge(f"request body exceeds the limit of {self.limit} bytes"))(scope, receive, send)
+                too_large = PayloadTooLarge(f"request body exceeds the limit of {self.limit} bytes")
+                await _error(too_large, scope.get("path", ""))(scope, receive, send)
 
 
 class _TooLarge(Exception):
@@ -147,25 +156,25 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError):
-        return _error(exc)
+        return _error(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         body = {"error": {"message": f"{loc}: {err.get('msg', 'invalid request')}", "type": "invalid_request", "code": 422}}
-        return JSONResponse(body, status_code=422)
+        return JSONResponse(_body(body, request.url.path), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         body = {"error": {"message": str(exc.detail), "type": "http_error", "code": exc.status_code}}
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(_body(body, request.url.path), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         log.exception("unexpected error on %s", request.url.path)
         body = {"error": {"message": "internal error", "type": "internal_error", "code": 500}}
-        return JSONResponse(body, status_code=500)
+        return JSONResponse(_body(body, request.url.path), status_code=500)
 
     @app.middleware("http")
     async def observe(request: Request, call_next):
@@ -173,7 +182,7 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         path = request.url.path
         if app.state.draining and not path.startswith(("/v2/health", "/metrics")):
-            response = _error(Unavailable("the server is shutting down", retry_after_s=5))
+            response = _error(Unavailable("the server is shutting down", retry_after_s=5), path)
         else:
             response = await call_next(request)
         elapsed = time.perf_counter() - start

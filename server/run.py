@@ -7,9 +7,10 @@ accepting, finishes the requests in flight (the batcher drains its queue), and t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import signal
+import threading
+from types import FrameType
 
 import uvicorn
 
@@ -20,25 +21,26 @@ log = logging.getLogger("softmoe.server")
 
 
 class DrainingServer(uvicorn.Server):
+    """uvicorn with a drain phase between the signal and closing the listener."""
+
     def __init__(self, config: uvicorn.Config, drain_seconds: float) -> None:
         super().__init__(config)
         self.drain_seconds = drain_seconds
         self._draining = False
 
-    def install_signal_handlers(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._begin_drain, sig)
-
-    def _begin_drain(self, sig: signal.Signals) -> None:
-        if self._draining:
-            self.should_exit = True  # a second signal: stop now (in-flight requests still finish)
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining:  # a second signal: stop now (in-flight requests still finish)
+            self.should_exit = True
+            if sig == signal.SIGINT:
+                self.force_exit = True
             return
         self._draining = True
-        app = self.config.app
-        app.state.draining = True
-        log.info("%s: draining for %.1fs, then shutting down", sig.name, self.drain_seconds)
-        asyncio.get_running_loop().call_later(self.drain_seconds, self._stop)
+        self.config.app.state.draining = True
+        log.info("%s: not ready; draining for %.1fs, then finishing in-flight requests", signal.Signals(sig).name,
+                 self.drain_seconds)
+        timer = threading.Timer(self.drain_seconds, self._stop)
+        timer.daemon = True
+        timer.start()
 
     def _stop(self) -> None:
         self.should_exit = True

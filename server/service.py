@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import math
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -318,10 +319,13 @@ class Service:
         t_post = time.perf_counter()
         scale = model.logit_scale if model.logit_scale is not None else 1.0
         bias = model.logit_bias or 0.0
-        logits = scale * (zimg.astype(np.float64) @ zlab.astype(np.float64).T) + bias
+        # Per-pair products and exactly rounded sums: a label's score cannot depend on where it
+        # sits in the list (a BLAS matmul rounds differently by position).
+        cos = (zimg.astype(np.float64)[:, None, :] * zlab.astype(np.float64)[None, :, :]).sum(-1)
+        logits = scale * cos + bias
         if activation == "softmax":
             e = np.exp(logits - logits.max(axis=1, keepdims=True))
-            scores = e / e.sum(axis=1, keepdims=True)
+            scores = e / np.array([[math.fsum(row)] for row in e])
         else:
             scores = 1 / (1 + np.exp(-logits))
         results = []

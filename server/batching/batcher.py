@@ -160,6 +160,9 @@ class Batcher:
             except FatalBackendError as e:
                 self._die(str(e), live)
                 return
+            except BaseException as e:  # noqa: BLE001 - never leave a future unresolved
+                for item in live:
+                    self._resolve(item, BackendFailure(f"inference failed: {type(e).__name__}: {e}"[:500]))
 
     def _admit(self, queue: ModelQueue, batch: list[Item]) -> list[Item]:
         """Drop cancelled items and those past their deadline (they never reach the model)."""
@@ -183,6 +186,11 @@ class Batcher:
             if self.before_call is not None:
                 self.before_call(queue, items)
             outputs = self._infer(queue, items)
+            rows = {k: v for k, v in outputs.items()}
+            short = [k for k, v in rows.items() if len(v) < len(items)]
+            if short:
+                raise RuntimeError(f"backend returned fewer rows than items for {short}")
+            results = [Result({k: v[i] for k, v in rows.items()}, {}) for i in range(len(items))]
         except FatalBackendError:
             raise
         except Exception as e:  # noqa: BLE001 - a failing batch fails its own requests only
@@ -193,9 +201,9 @@ class Batcher:
             self._resolve(items[0], BackendFailure(f"inference failed: {type(e).__name__}: {e}"[:500]))
             return
         elapsed = time.perf_counter() - start
-        for i, item in enumerate(items):
-            timings = {"queue": start - item.enqueued, "inference": elapsed}
-            self._resolve(item, Result({k: v[i] for k, v in outputs.items()}, timings))
+        for item, result in zip(items, results):
+            result.timings.update(queue=start - item.enqueued, inference=elapsed)
+            self._resolve(item, result)
 
     def _infer(self, queue: ModelQueue, items: list[Item]) -> Rows:
         n = len(items)

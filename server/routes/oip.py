@@ -37,10 +37,12 @@ _INPUTS = {
 }
 
 
-def _model(request: Request, name: str):
+def _model(request: Request, name: str, version: str | None = None):
     model = request.app.state.models.get(name)
     if model is None:
         raise NotFound(f"model {name!r} is not served; served: {sorted(request.app.state.models)}")
+    if version not in (None, "", "1"):
+        raise NotFound(f"model {name!r} has no version {version!r}; it has version '1'")
     return model
 
 
@@ -78,7 +80,7 @@ async def ready(request: Request):
 @router.get("/v2/models/{model_name}/versions/{version}", response_model=OIPModelMetadata, responses=ERRORS,
             include_in_schema=False)
 async def model_metadata(request: Request, model_name: str, version: str | None = None):
-    model = _model(request, model_name)
+    model = _model(request, model_name, version)
     ins, outs = _tensors(model)
     return {"name": model.name, "versions": ["1"], "platform": f"softmoe_{model.backend.name}", "inputs": ins, "outputs": outs}
 
@@ -86,8 +88,14 @@ async def model_metadata(request: Request, model_name: str, version: str | None 
 @router.get("/v2/models/{model_name}/ready", responses=ERRORS, summary="Model readiness")
 @router.get("/v2/models/{model_name}/versions/{version}/ready", include_in_schema=False)
 async def model_ready(request: Request, model_name: str, version: str | None = None):
-    model = _model(request, model_name)
+    model = _model(request, model_name, version)
     return JSONResponse({"name": model.name, "ready": model.ready}, status_code=200 if model.ready else 503)
+
+
+@router.post("/v2/repository/index", summary="Models in the repository (Triton extension)")
+async def repository_index(request: Request):
+    return JSONResponse([{"name": m.name, "version": "1", "state": "READY" if m.ready else "UNAVAILABLE"}
+                         for m in request.app.state.models.values()])
 
 
 def _parse_body(raw: bytes, header_len: str | None) -> tuple[OIPInferRequest, bytes]:
@@ -140,10 +148,12 @@ def _array(t, binary: bytes, offset: int) -> tuple[np.ndarray, int]:
 @router.post("/v2/models/{model_name}/versions/{version}/infer", include_in_schema=False)
 async def infer(request: Request, model_name: str, version: str | None = None):
     t0 = time.perf_counter()
-    model = _model(request, model_name)
+    model = _model(request, model_name, version)
     if not model.ready:
         raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
-    req, binary = _parse_body(await request.body(), request.headers.get(BINARY_HEADER))
+    raw = _decompress(await request.body(), request.headers.get("content-encoding", ""),
+                      request.app.state.settings.max_body_bytes)
+    req, binary = _parse_body(raw, request.headers.get(BINARY_HEADER))
     accepted = _INPUTS.get(model.kind, {})
     if not req.inputs:
         raise Unprocessable("no inputs given", param="inputs")
@@ -183,16 +193,21 @@ async def infer(request: Request, model_name: str, version: str | None = None):
     body = {"model_name": model.name, "model_version": "1", "outputs": []}
     if req.id is not None:
         body["id"] = req.id
+    classes = {o.name: int((o.parameters or {}).get("classification") or 0) for o in (req.outputs or [])}
     chunks = []
     for name in wanted:
         arr = outputs[name]
-        tensor = {"name": name, "datatype": "FP32", "shape": list(arr.shape)}
-        if name in binary_names:
-            data = arr.astype("<f4").tobytes()
+        if classes.get(name):
+            tensor, data = _classification(arr, classes[name], model.labels, name in binary_names)
+            tensor["name"] = name
+        else:
+            tensor = {"name": name, "datatype": "FP32", "shape": list(arr.shape)}
+            data = arr.astype("<f4").tobytes() if name in binary_names else None
+            if data is None:
+                tensor["data"] = arr.reshape(-1).tolist()
+        if data is not None:
             tensor["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
-        else:
-            tensor["data"] = arr.reshape(-1).tolist()
         body["outputs"].append(tensor)
     headers = {**timings.headers(), "x-model": model.name}
     if chunks:
@@ -204,3 +219,42 @@ async def infer(request: Request, model_name: str, version: str | None = None):
 
 def _vocab(model) -> int:
     return model.vocab_size or 2**31 - 1
+
+
+def _classification(arr: np.ndarray, k: int, labels: list[str] | None, binary: bool) -> tuple[dict, bytes | None]:
+    """Triton's classification extension: top-k ``"<score>:<index>[:<label>]"`` strings (BYTES)."""
+    if arr.ndim != 2 or k < 1:
+        raise BadRequest("classification needs a 2-D output and a positive class count")
+    k = min(k, arr.shape[1])
+    rows = []
+    for row in arr:
+        idx = np.argsort(-row, kind="stable")[:k]
+        rows.append([f"{row[i]:f}:{i}" + (f":{labels[i]}" if labels and i < len(labels) else "") for i in idx])
+    tensor = {"datatype": "BYTES", "shape": [arr.shape[0], k]}
+    flat = [s for r in rows for s in r]
+    if not binary:
+        tensor["data"] = flat
+        return tensor, None
+    data = b"".join(len(e).to_bytes(4, "little") + e for e in (s.encode() for s in flat))
+    return tensor, data
+
+
+def _decompress(raw: bytes, encoding: str, limit: int) -> bytes:
+    """gzip / deflate request bodies (tritonclient's compression), capped at ``limit`` bytes."""
+    import zlib
+
+    from ..errors import PayloadTooLarge, UnsupportedMediaType
+
+    encoding = encoding.strip().lower()
+    if encoding in ("", "identity"):
+        return raw
+    if encoding not in ("gzip", "deflate"):
+        raise UnsupportedMediaType(f"content-encoding {encoding!r} is not supported (gzip, deflate)")
+    d = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
+    try:
+        out = d.decompress(raw, limit + 1)
+    except zlib.error:
+        raise BadRequest(f"request body is not valid {encoding} data") from None
+    if len(out) > limit or d.unconsumed_tail:
+        raise PayloadTooLarge(f"decompressed request body exceeds the limit of {limit} bytes")
+    return out

@@ -61,3 +61,10 @@ async def embeddings(request: Request):
     svc.finish(model, "embeddings", timings, time.perf_counter(), t0)
     body = {"object": "list", "data": data, "model": model.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
     return JSONResponse(body, headers={**timings.headers(), "x-model": model.name})
+
+
+@router.get("/v1/models", summary="Served models (OpenAI list format)")
+async def list_models(request: Request):
+    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "softmoe-serve", "kind": m.kind}
+            for m in request.app.state.models.values()]
+    return JSONResponse({"object": "list", "data": data})

@@ -1,0 +1,43 @@
+"""A real uvicorn server on loopback for tests (HTTP behaviour lives in the server, not the app)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(app, timeout: float = 120.0):
+    """Run ``app`` on 127.0.0.1 in a thread; yields the base URL once /v2/health/ready is 200."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError("server did not become ready")
+        time.sleep(0.1)
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(60)
