@@ -184,7 +184,11 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         if app.state.draining and not path.startswith(("/v2/health", "/metrics")):
             response = _error(Unavailable("the server is shutting down", retry_after_s=5), path)
         else:
-            response = await call_next(request)
+            metrics.in_flight.inc()
+            try:
+                response = await call_next(request)
+            finally:
+                metrics.in_flight.dec()
         elapsed = time.perf_counter() - start
         response.headers["x-request-id"] = request_id[:128]
         response.headers["x-total-time"] = f"{elapsed * 1e3:.2f}"

@@ -35,7 +35,7 @@ class Metrics:
             ["model"], buckets=(0.0, 0.125, 0.25, 0.5, 0.75, 0.875, 1.0), registry=r,
         )
         self.queue_depth = Gauge("softmoe_queue_depth", "Items waiting for the backend", ["model"], registry=r)
-        self.in_flight = Gauge("softmoe_requests_in_flight", "HTTP requests being handled", ["model"], registry=r)
+        self.in_flight = Gauge("softmoe_requests_in_flight", "HTTP requests being handled", registry=r)
         self.rejected = Counter(
             "softmoe_requests_rejected_total", "Requests refused before inference", ["model", "reason"], registry=r,
         )

@@ -117,6 +117,25 @@ def _init_weights(model: "torch.nn.Module") -> None:  # noqa: F821
                 p.normal_(0.0, 0.02)
 
 
+def cmd_train_demo(args: argparse.Namespace) -> None:
+    from .demo.train import train_demo
+
+    train_demo(args.out, seed=args.seed, epochs=args.epochs, lit_steps=args.lit_steps)
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    from .demo.evaluate import evaluate
+
+    try:
+        results = evaluate(args.package)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    for key, value in results.items():
+        print(f"{key}: {value:.4f}")
+    if args.json:
+        print(json.dumps(results))
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("models", help="list the model variants (the paper's size table)")
     p.add_argument("--json", action="store_true", help="print a JSON list")
@@ -139,6 +158,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init)
+
+    p = sub.add_parser("train-demo", help="train the built-in default models on scikit-learn's digits (CPU, minutes)")
+    p.add_argument("--out", required=True, help="directory for the digits and digits-lit packages")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--epochs", type=int, default=100, help="classifier epochs")
+    p.add_argument("--lit-steps", type=int, default=1500, help="text-tower training steps")
+    p.set_defaults(func=cmd_train_demo)
+
+    p = sub.add_parser("eval", help="accuracy of a package on the held-out digits (index %% 5 == 0)")
+    p.add_argument("package")
+    p.add_argument("--json", action="store_true", help="also print one JSON line")
+    p.set_defaults(func=cmd_eval)
 
 
 def build_parser() -> argparse.ArgumentParser:

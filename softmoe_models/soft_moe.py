@@ -99,16 +99,21 @@ class SoftMoE(nn.Module):
         """Recompute the constant slot matrix from ``mu`` and ``scale`` (after loading)."""
         if self.mu.is_meta:
             return
-        mn = l2_normalize(self.mu.float(), dim=0)  # (d, n, p)
-        slots = (self.scale.float() * mn).reshape(self.dim, self.num_slots).t().contiguous()
-        self.slots = slots.to(self.mu.dtype)  # (s, d)
+        self.slots = self._slot_matrix().contiguous()  # (s, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
+            if self.training:  # the folded constant has no gradient: train on the live slot matrix
+                return self._forward_fused(x, self._slot_matrix())
             if self.slots.numel() == 0 or self.slots.device != x.device:
                 self.fold()
-            return self._forward_fused(x)
+            return self._forward_fused(x, self.slots)
         return self._forward_reference(x)
+
+    def _slot_matrix(self) -> torch.Tensor:
+        """``(scale * normalize(mu))^T``, (s, d), differentiable."""
+        mn = l2_normalize(self.mu.float(), dim=0)
+        return (self.scale.float() * mn).reshape(self.dim, self.num_slots).t().to(self.mu.dtype)
 
     # ------------------------------------------------------------------ reference path
 
@@ -117,9 +122,9 @@ class SoftMoE(nn.Module):
         n, p = self.num_experts, self.slots_per_expert
         xn = l2_normalize(x)  # (B, m, d)
         mn = l2_normalize(self.mu, dim=0)  # (d, n, p)
-        logits = torch.einsum("bmd,dnp->bmnp", xn, self.scale * mn)  # (B, m, n, p)
-        dispatch = logits.softmax(dim=1)  # over tokens
-        combine = logits.reshape(b, m, n * p).softmax(dim=-1).reshape(b, m, n, p)  # over slots
+        logits = torch.einsum("bmd,dnp->bmnp", xn, self.scale * mn).float()  # (B, m, n, p)
+        dispatch = logits.softmax(dim=1).to(x.dtype)  # over tokens (softmax in float32)
+        combine = logits.reshape(b, m, n * p).softmax(dim=-1).reshape(b, m, n, p).to(x.dtype)  # over slots
         xd = _bf16_round(x) if self.bf16_dispatch else x
         slot_in = torch.einsum("bmnp,bmd->bnpd", dispatch, xd)  # (B, n, p, d)
         h = torch.einsum("bnpd,ndh->bnph", slot_in, self.w1) + self.b1[None, :, None, :]
@@ -136,13 +141,13 @@ class SoftMoE(nn.Module):
 
     # ------------------------------------------------------------------ fused path
 
-    def _forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_fused(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         b, m, d = x.shape
         n, p, s = self.num_experts, self.slots_per_expert, self.num_slots
         xn = l2_normalize(x)  # (B, m, d)
-        logits = torch.matmul(xn, self.slots.t())  # (B, m, s), computed once
-        dispatch = logits.softmax(dim=1)  # over tokens
-        combine = logits.softmax(dim=2)  # over slots
+        logits = torch.matmul(xn, slots.t()).float()  # (B, m, s), computed once
+        dispatch = logits.softmax(dim=1).to(x.dtype)  # over tokens (softmax in float32)
+        combine = logits.softmax(dim=2).to(x.dtype)  # over slots
         xd = _bf16_round(x) if self.bf16_dispatch else x
         slot_in = torch.matmul(dispatch.transpose(1, 2), xd)  # (B, s, d)
         expert_out = self._experts(slot_in.view(b, n, p, d))  # (B, n, p, d)

@@ -65,6 +65,7 @@ async def embeddings(request: Request):
 
 @router.get("/v1/models", summary="Served models (OpenAI list format)")
 async def list_models(request: Request):
-    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "softmoe-serve", "kind": m.kind}
+    data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "softmoe-serve", "kind": m.kind,
+             "ready": m.ready, "backend": m.backend.describe(), "source": m.source}
             for m in request.app.state.models.values()]
     return JSONResponse({"object": "list", "data": data})

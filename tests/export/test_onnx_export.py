@@ -119,6 +119,12 @@ def test_fp16_export_within_tolerance(pkgs, tmp_path):
     cast_to_fp32 = {n.output[0] for n in model.graph.node if n.op_type == "Cast"
                     and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT for a in n.attribute)}
     assert pow_inputs and pow_inputs <= cast_to_fp32
+    # ... and so are the routing softmaxes: 2 per Soft MoE layer (2 layers) take float32 logits.
+    producers = {o: n for n in model.graph.node for o in n.output}
+    fp32_softmax = [n for n in model.graph.node if n.op_type == "Softmax" and n.input[0] in cast_to_fp32
+                    or n.op_type == "Softmax" and producers.get(n.input[0]) is not None
+                    and producers[n.input[0]].input and producers[n.input[0]].input[0] in cast_to_fp32]
+    assert len(fp32_softmax) >= 4
 
 
 def test_bf16_on_cpu_is_refused_clearly(pkgs, tmp_path):

@@ -88,3 +88,23 @@ def test_configure_routing_sets_every_layer():
     model = torch.nn.Sequential(_layer(), _layer())
     configure_routing(model, fused=False, bf16_dispatch=True, experts_form="per_expert")
     assert all(not m.fused and m.bf16_dispatch and m.experts_form == "per_expert" for m in model)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_router_parameters_train(fused):
+    """Both paths pass gradients to mu and scale (the folded constant is for inference only)."""
+    layer = _layer()
+    layer.fused = fused
+    layer.train()
+    layer(torch.randn(2, 12, 32)).pow(2).sum().backward()
+    assert layer.mu.grad is not None and layer.mu.grad.abs().sum() > 0
+    assert layer.scale.grad is not None and layer.scale.grad.abs() > 0
+
+
+def test_train_and_eval_fused_agree():
+    layer = _layer()
+    x = torch.randn(3, 10, 32)
+    with torch.no_grad():
+        evaluated = layer.eval()(x)
+        trained_form = layer.train()(x)
+    assert torch.allclose(evaluated, trained_form, atol=1e-6)
