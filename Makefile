@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test bench clean
+.PHONY: setup sysdeps serve test bench clean
 
 setup: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 serve: setup
 	$(BIN)/softmoe serve
 
-test: setup
+test: setup sysdeps
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: setup
@@ -26,3 +26,8 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# System tools the tests use (Debian): Prometheus server + promtool for the real-Prometheus tests.
+sysdeps:
+	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)

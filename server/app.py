@@ -17,12 +17,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from softmoe_models import __version__
 
 from .batching.batcher import Batcher
-from .errors import PayloadTooLarge, ServiceError, Unavailable
+from .errors import PayloadTooLarge, QueueFull, ServiceError, Unavailable
 from .metrics import Metrics
 from .registry import ServedModel, attach_queues, load_served_model, warmup
 from .service import Service
@@ -69,8 +70,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise _TooLarge()
+                if received > self.limit:  # raised inside the route: the error handler answers 413
+                    raise PayloadTooLarge(f"request body exceeds the limit of {self.limit} bytes")
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -81,19 +82,58 @@ class BodyLimit:
 
         try:
             await self.app(scope, counted, tracking_send)
-        except _TooLarge:
+        except PayloadTooLarge as exc:  # raised where no handler runs (e.g. a middleware reading)
             if not started:
-                too_large = PayloadTooLarge(f"request body exceeds the limit of {self.limit} bytes")
-                await _error(too_large, scope.get("path", ""))(scope, receive, send)
+                await _error(exc, scope.get("path", ""))(scope, receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+EXEMPT = ("/v2/health", "/metrics")
 
 
-def _endpoint(request: Request) -> str:
-    route = request.scope.get("route")
-    return getattr(route, "path", None) or "unmatched"
+class Observe:
+    """Outermost (pure ASGI, so ``receive`` reaches the routes untouched and a client's disconnect
+    is seen): request id, timing headers, request metrics, in-flight cap, draining."""
+
+    def __init__(self, app: ASGIApp, state, metrics: Metrics, settings: Settings) -> None:
+        self.app, self.state, self.metrics, self.settings = app, state, metrics, settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        path = scope.get("path", "")
+        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
+        seen: dict[str, object] = {"status": 500, "model": "none"}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen["status"] = message["status"]
+                out = MutableHeaders(scope=message)
+                seen["model"] = out.get("x-model", "none")
+                out["x-request-id"] = request_id
+                out["x-total-time"] = f"{(time.perf_counter() - start) * 1e3:.2f}"
+            await send(message)
+
+        exempt = path.startswith(EXEMPT)
+        if self.state.draining and not exempt:
+            await _error(Unavailable("the server is shutting down", retry_after_s=5), path)(scope, receive, send_wrapper)
+        elif not exempt and self.metrics.in_flight._value.get() >= self.settings.max_in_flight:
+            self.metrics.rejected.labels("none", "too_many_requests").inc()
+            too_many = QueueFull(f"{self.settings.max_in_flight} requests in flight; try again shortly")
+            await _error(too_many, path)(scope, receive, send_wrapper)
+        else:
+            self.metrics.in_flight.inc()
+            try:
+                await self.app(scope, receive, send_wrapper)
+            finally:
+                self.metrics.in_flight.dec()
+        if not exempt:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            status = int(seen["status"])  # type: ignore[arg-type]
+            self.metrics.request_duration.labels(seen["model"], endpoint, f"{status // 100}xx").observe(
+                time.perf_counter() - start)
 
 
 def create_app(settings: Settings | None = None, *, models: list[ServedModel] | None = None) -> FastAPI:
@@ -176,30 +216,8 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         body = {"error": {"message": "internal error", "type": "internal_error", "code": 500}}
         return JSONResponse(_body(body, request.url.path), status_code=500)
 
-    @app.middleware("http")
-    async def observe(request: Request, call_next):
-        start = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        path = request.url.path
-        if app.state.draining and not path.startswith(("/v2/health", "/metrics")):
-            response = _error(Unavailable("the server is shutting down", retry_after_s=5), path)
-        else:
-            metrics.in_flight.inc()
-            try:
-                response = await call_next(request)
-            finally:
-                metrics.in_flight.dec()
-        elapsed = time.perf_counter() - start
-        response.headers["x-request-id"] = request_id[:128]
-        response.headers["x-total-time"] = f"{elapsed * 1e3:.2f}"
-        if not path.startswith(("/v2/health", "/metrics")):
-            model = response.headers.get("x-model", "none")
-            metrics.request_duration.labels(model, _endpoint(request), f"{response.status_code // 100}xx").observe(elapsed)
-            if response.status_code in (429, 503) and model == "none":
-                metrics.rejected.labels("none", "unavailable" if response.status_code == 503 else "queue_full").inc()
-        return response
-
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(Observe, state=app.state, metrics=metrics, settings=settings)  # outermost
     _openapi_components(app)
     return app
 
@@ -215,7 +233,8 @@ def _openapi_components(app: FastAPI) -> None:
             return app.openapi_schema
         doc = original()
         comps = doc.setdefault("components", {}).setdefault("schemas", {})
-        for cls in (schemas.ClassifyRequest, schemas.EmbedRequest, schemas.ZeroShotRequest, schemas.EmbeddingsRequest):
+        for cls in (schemas.ClassifyRequest, schemas.EmbedRequest, schemas.ZeroShotRequest, schemas.EmbeddingsRequest,
+                    schemas.OIPInferRequest):
             schema = cls.model_json_schema(ref_template="#/components/schemas/{model}")
             for name, sub in schema.pop("$defs", {}).items():
                 comps.setdefault(name, sub)

@@ -17,6 +17,7 @@ FLAGS = {  # flag -> (settings field, argparse kwargs)
     "--max-batch-size": ("max_batch_size", dict(type=int)),
     "--max-delay-ms": ("max_delay_ms", dict(type=float)),
     "--max-queue": ("max_queue", dict(type=int)),
+    "--max-in-flight": ("max_in_flight", dict(type=int)),
     "--strict-determinism": ("strict_determinism", dict(action=argparse.BooleanOptionalAction)),
     "--threads": ("threads", dict(type=int)),
     "--decode-workers": ("decode_workers", dict(type=int)),

@@ -22,6 +22,30 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class OIPError(BaseModel):
+    """Open Inference Protocol error body."""
+
+    error: str
+
+
+class Health(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    live: bool | None = None
+    ready: bool | None = None
+    reason: str | None = None
+
+
+class ModelReadiness(BaseModel):
+    name: str
+    ready: bool
+
+
+class RepositoryEntry(BaseModel):
+    name: str
+    version: str
+    state: str
+
+
 class ClassifyRequest(_Strict):
     model: str | None = Field(None, description="served model name; default: the first classifier")
     images: list[str] = Field(..., min_length=1, description="base64 strings or data:image/...;base64, URIs")

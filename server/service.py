@@ -18,7 +18,7 @@ import numpy as np
 from softmoe_models.preprocess import preprocess_image
 
 from .batching.batcher import Batcher, Result
-from .errors import BadRequest, NotFound, Unavailable, Unprocessable
+from .errors import BadRequest, NotFound, QueueFull, Unavailable, Unprocessable
 from .metrics import Metrics
 from .pipeline.decode import decode
 from .registry import ServedModel
@@ -116,6 +116,13 @@ class Service:
             raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
         return model
 
+    def admit(self, model: ServedModel, fn: str, n: int) -> None:
+        """429 before any decoding when the model's queue cannot take ``n`` more items."""
+        queue = model.queues[fn]
+        if len(queue.items) + n > queue.max_queue:
+            self.metrics.rejected.labels(model.name, "queue_full").inc()
+            raise QueueFull(f"model {model.name!r} has {len(queue.items)} items queued (limit {queue.max_queue})")
+
     def check_count(self, n: int, limit: int, what: str, param: str) -> None:
         if n == 0:
             raise Unprocessable(f"no {what} given", param=param)
@@ -129,6 +136,7 @@ class Service:
         self.check_count(len(blobs), self.settings.max_images_per_request, "images", param)
         if model.preprocess is None:
             raise Unprocessable(f"model {model.name!r} takes no images", param="model")
+        self.admit(model, "image" if model.can("image") else "classify", len(blobs))
         cfg, loop = model.preprocess, asyncio.get_running_loop()
 
         def work(data: bytes, i: int) -> tuple[np.ndarray, float, float]:

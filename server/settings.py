@@ -27,6 +27,7 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(8, ge=1, le=1024, description="images (or texts) per backend call")
     max_delay_ms: float = Field(5.0, ge=0, le=10_000, description="how long a batch waits to fill")
     max_queue: int = Field(256, ge=1, description="queued items per model before requests get 429")
+    max_in_flight: int = Field(128, ge=1, description="concurrent HTTP requests before new ones get 429 at the door")
     strict_determinism: bool = Field(
         True,
         description="run every batch at one fixed padded shape so an item's outputs are bitwise "

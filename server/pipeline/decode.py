@@ -72,8 +72,8 @@ def decode(data: bytes, target_size: int | None = None, max_pixels: int = 40_000
                 raise PayloadTooLarge(f"image is {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
             if w < MIN_SIDE or h < MIN_SIDE:
                 raise Unprocessable(f"image is {w}x{h}; it must be at least {MIN_SIDE}x{MIN_SIDE}")
-            if getattr(im, "n_frames", 1) > 1:
-                im.seek(0)  # first frame only; the others are never decoded
+            # Animated GIF/WebP: Image.open stands on the first frame and load() decodes only it;
+            # n_frames is never asked for (it would walk every frame).
             if fmt == "JPEG" and target_size:
                 im.draft("RGB", (target_size, target_size))
             im.load()

@@ -18,12 +18,13 @@ from fastapi.responses import JSONResponse
 from softmoe_models import __version__
 
 from ..errors import BadRequest, NotFound, Unavailable, Unprocessable
-from ..schemas import ErrorResponse, OIPInferRequest, OIPInferResponse, OIPModelMetadata, OIPServerMetadata
+from ..schemas import (Health, ModelReadiness, OIPError, OIPInferRequest, OIPInferResponse, OIPModelMetadata,
+                       OIPServerMetadata, RepositoryEntry)
 from ..service import Timings
 from .inputs import validation_error
 
 router = APIRouter(tags=["open inference protocol v2"])
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 422, 429, 503, 504)}
+ERRORS = {code: {"model": OIPError} for code in (400, 404, 413, 415, 422, 429, 503, 504)}
 DTYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT32": np.int32, "INT64": np.int64,
           "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64}
 OIP_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
@@ -61,7 +62,8 @@ async def server_metadata():
     return {"name": "softmoe-serve", "version": __version__, "extensions": ["binary_tensor_data", "classification"]}
 
 
-@router.get("/v2/health/live", summary="Liveness: the process can serve (its device worker is alive)")
+@router.get("/v2/health/live", response_model=Health, responses={503: {"model": Health}},
+            summary="Liveness: the process can serve (its device worker is alive)")
 async def live(request: Request):
     batcher = request.app.state.batcher
     if batcher is not None and batcher.dead:
@@ -69,7 +71,8 @@ async def live(request: Request):
     return JSONResponse({"live": True})
 
 
-@router.get("/v2/health/ready", summary="Readiness: every model loaded and warmed up, not draining")
+@router.get("/v2/health/ready", response_model=Health, responses={503: {"model": Health}},
+            summary="Readiness: every model loaded and warmed up, not draining")
 async def ready(request: Request):
     state = request.app.state
     ok = state.ready and not state.draining and all(m.ready for m in state.models.values())
@@ -85,14 +88,15 @@ async def model_metadata(request: Request, model_name: str, version: str | None 
     return {"name": model.name, "versions": ["1"], "platform": f"softmoe_{model.backend.name}", "inputs": ins, "outputs": outs}
 
 
-@router.get("/v2/models/{model_name}/ready", responses=ERRORS, summary="Model readiness")
+@router.get("/v2/models/{model_name}/ready", response_model=ModelReadiness,
+            responses={**ERRORS, 503: {"model": ModelReadiness}}, summary="Model readiness")
 @router.get("/v2/models/{model_name}/versions/{version}/ready", include_in_schema=False)
 async def model_ready(request: Request, model_name: str, version: str | None = None):
     model = _model(request, model_name, version)
     return JSONResponse({"name": model.name, "ready": model.ready}, status_code=200 if model.ready else 503)
 
 
-@router.post("/v2/repository/index", summary="Models in the repository (Triton extension)")
+@router.post("/v2/repository/index", response_model=list[RepositoryEntry], summary="Models in the repository (Triton extension)")
 async def repository_index(request: Request):
     return JSONResponse([{"name": m.name, "version": "1", "state": "READY" if m.ready else "UNAVAILABLE"}
                          for m in request.app.state.models.values()])
@@ -144,7 +148,9 @@ def _array(t, binary: bytes, offset: int) -> tuple[np.ndarray, int]:
     return arr.reshape(t.shape), offset
 
 
-@router.post("/v2/models/{model_name}/infer", response_model=OIPInferResponse, responses=ERRORS, summary="Inference (OIP v2)")
+@router.post("/v2/models/{model_name}/infer", response_model=OIPInferResponse, responses=ERRORS, summary="Inference (OIP v2)",
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/OIPInferRequest"}}}}})
 @router.post("/v2/models/{model_name}/versions/{version}/infer", include_in_schema=False)
 async def infer(request: Request, model_name: str, version: str | None = None):
     t0 = time.perf_counter()
