@@ -3,7 +3,8 @@
     python -m export.bench [--layers 3] [--batches 1 8] [--rounds 15]
 
 The stack is ``--layers`` encoder blocks of Soft MoE S/16 (d=384, 6 heads, 128 experts of
-width 1536, one slot each, 196 tokens: the MoE half of ``soft-s16-e128``). Every form runs in
+width 1536, one slot each, 196 tokens: the MoE half of ``soft-s16-e128``), or of B/16 with
+``--width B`` (d=768, 12 heads, experts of width 3072). Every form runs in
 this one process, interleaved in a shuffled order each round, single intra-op thread pool per
 runtime with spinning off; medians are reported with ratios against the fused ONNX graph and
 eager PyTorch. Not a test: it prints numbers, the last line is one JSON object.
@@ -32,7 +33,8 @@ from .graphs import Graph, TensorSpec
 from .onnx import _export_one, op_inventory
 from .runtime import ort_session
 
-D, HEADS, MLP, EXPERTS, TOKENS = 384, 6, 1536, 128, 196
+TOKENS, EXPERTS = 196, 128
+WIDTHS = {"S": (384, 6, 1536), "B": (768, 12, 3072)}  # d, heads, expert width (paper S/16, B/16)
 
 
 def machine() -> str:
@@ -47,9 +49,10 @@ def machine() -> str:
     return f"{cpu}, {len(os.sched_getaffinity(0))} CPUs, torch {torch.__version__}"
 
 
-def build_stack(layers: int, seed: int = 0) -> Encoder:
+def build_stack(layers: int, width: str = "S", seed: int = 0) -> Encoder:
     torch.manual_seed(seed)
-    cfg = EncoderConfig(D, layers, HEADS, MLP, moe=MoEConfig(tuple(range(layers)), EXPERTS, 1))
+    d, heads, mlp = WIDTHS[width]
+    cfg = EncoderConfig(d, layers, heads, mlp, moe=MoEConfig(tuple(range(layers)), EXPERTS, 1))
     stack = Encoder(cfg, TOKENS).eval().requires_grad_(False)
     for m in stack.modules():
         if hasattr(m, "fold"):
@@ -68,18 +71,20 @@ class _Tokens(torch.nn.Module):
 
 def _export(stack: Encoder, path: Path, *, fused: bool, experts: str) -> dict[str, int]:
     configure_routing(stack, fused=fused, experts_form=experts)
-    graph = Graph("stack", _Tokens(stack), [TensorSpec("tokens", ("batch", TOKENS, D), torch.float32)], ["hidden"])
+    d = stack.norm.normalized_shape[0]
+    graph = Graph("stack", _Tokens(stack), [TensorSpec("tokens", ("batch", TOKENS, d), torch.float32)], ["hidden"])
     _export_one(graph, path, opset=20, dynamic=True, metadata={}, external=True)
     configure_routing(stack, fused=True, experts_form="batched")
     return op_inventory(path)
 
 
-def run(layers: int, batches: list[int], rounds: int, workdir: Path) -> dict[str, float]:
+def run(layers: int, batches: list[int], rounds: int, workdir: Path, width: str = "S", suffix: str = "") -> dict[str, float]:
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    stack = build_stack(layers)
+    stack = build_stack(layers, width)
+    d = WIDTHS[width][0]
     forms: dict[str, Path] = {}
     print(f"machine: {machine()}")
-    print(f"stack: {layers} Soft MoE S/16 blocks (d={D}, {EXPERTS} experts x 1 slot, {TOKENS} tokens), "
+    print(f"stack: {layers} Soft MoE {width}/16 blocks (d={d}, {EXPERTS} experts x 1 slot, {TOKENS} tokens), "
           f"{sum(p.numel() for p in stack.parameters()) / 1e6:.0f}M params")
     for name, fused, experts in (("ort_reference_einsum", False, "batched"),
                                  ("ort_fused_per_expert", True, "per_expert"),
@@ -90,17 +95,21 @@ def run(layers: int, batches: list[int], rounds: int, workdir: Path) -> dict[str
         print(f"exported {name}: {sum(ops.values())} nodes, Einsum={ops.get('Einsum', 0)}, {time.perf_counter() - t0:.1f}s")
     sessions = {name: ort_session(path) for name, path in forms.items()}
 
-    def eager(x: np.ndarray) -> np.ndarray:
-        with torch.inference_mode():
-            return stack(torch.from_numpy(x)).numpy()
+    def eager(x: np.ndarray, fused: bool = True) -> np.ndarray:
+        configure_routing(stack, fused=fused)
+        try:
+            with torch.inference_mode():
+                return stack(torch.from_numpy(x)).numpy()
+        finally:
+            configure_routing(stack, fused=True)
 
-    runners = {"torch_eager_fused": eager}
+    runners = {"torch_eager_fused": eager, "torch_eager_reference": lambda x: eager(x, fused=False)}
     for name, sess in sessions.items():
         runners[name] = lambda x, s=sess: s.run(None, {"tokens": x})[0]
 
     rng = random.Random(0)
     times: dict[tuple[str, int], list[float]] = {(n, b): [] for n in runners for b in batches}
-    inputs = {b: np.random.default_rng(b).standard_normal((b, TOKENS, D)).astype(np.float32) for b in batches}
+    inputs = {b: np.random.default_rng(b).standard_normal((b, TOKENS, d)).astype(np.float32) for b in batches}
     for b in batches:  # warm-up and agreement check
         outs = {n: r(inputs[b]) for n, r in runners.items()}
         base = outs["torch_eager_fused"]
@@ -123,14 +132,17 @@ def run(layers: int, batches: list[int], rounds: int, workdir: Path) -> dict[str
     print("\nratios (higher = the first is slower)")
     for b in batches:
         pairs = {
-            f"fused_vs_reference_ort_b{b}": ("ort_reference_einsum", "ort_fused_per_expert"),
-            f"reference_ort_vs_eager_b{b}": ("ort_reference_einsum", "torch_eager_fused"),
-            f"eager_vs_fused_ort_b{b}": ("torch_eager_fused", "ort_fused_per_expert"),
-            f"batched_vs_per_expert_ort_b{b}": ("ort_fused_batched", "ort_fused_per_expert"),
+            f"fused_vs_reference_ort{suffix}_b{b}": ("ort_reference_einsum", "ort_fused_per_expert"),
+            f"fused_vs_reference_eager{suffix}_b{b}": ("torch_eager_reference", "torch_eager_fused"),
+            f"reference_ort_vs_eager{suffix}_b{b}": ("ort_reference_einsum", "torch_eager_fused"),
+            f"eager_vs_fused_ort{suffix}_b{b}": ("torch_eager_fused", "ort_fused_per_expert"),
+            f"batched_vs_per_expert_ort{suffix}_b{b}": ("ort_fused_batched", "ort_fused_per_expert"),
         }
         for key, (slow, fast) in pairs.items():
             ratios[key] = round(med[(slow, b)] / med[(fast, b)], 3)
-            print(f"  {key:34} {slow} / {fast} = {ratios[key]:.2f}x")
+            print(f"  {key:38} {slow} / {fast} = {ratios[key]:.2f}x")
+    for (n, b), v in med.items():
+        ratios[f"ms_{n}{suffix}_b{b}"] = round(v, 2)
     return ratios
 
 
@@ -139,10 +151,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--width", choices=list(WIDTHS), default="S")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="softmoe-bench-") as tmp:
-        ratios = run(args.layers, args.batches, args.rounds, Path(tmp))
-    print(f"command: python -m export.bench --layers {args.layers} --batches {' '.join(map(str, args.batches))} --rounds {args.rounds}")
+        ratios = run(args.layers, args.batches, args.rounds, Path(tmp), args.width)
+    print(f"command: python -m export.bench --layers {args.layers} --width {args.width} "
+          f"--batches {' '.join(map(str, args.batches))} --rounds {args.rounds}")
     print(json.dumps(ratios))
 
 

@@ -285,19 +285,16 @@ class Service:
         """(len(labels), D): per label the renormalised mean of its prompts' embeddings, cached per prompt."""
         prompts = [[t.replace("{}", label) if "{}" in t else f"{t} {label}" for t in templates] for label in labels]
         flat = sorted({p for ps in prompts for p in ps})
-        missing = [p for p in flat if self.label_cache.get((model.name, p)) is None]
+        table = {p: self.label_cache.get((model.name, p)) for p in flat}
+        missing = [p for p, v in table.items() if v is None]
         self.metrics.cache_hits.labels(model.name, "hit").inc(len(flat) - len(missing))
         self.metrics.cache_hits.labels(model.name, "miss").inc(len(missing))
-        if missing:
-            for start in range(0, len(missing), self.settings.max_texts_per_request):
-                chunk = missing[start: start + self.settings.max_texts_per_request]
-                vecs = await self.embed_texts(model, chunk, Timings(), disconnected, param="labels")
-                for p, v in zip(chunk, vecs):
-                    self.label_cache.put((model.name, p), v)
-        table = {p: self.label_cache.get((model.name, p)) for p in flat}
-        if any(v is None for v in table.values()):  # evicted under a tiny cache: compute directly
-            vecs = await self.embed_texts(model, flat, Timings(), disconnected, param="labels")
-            table = dict(zip(flat, vecs))
+        for start in range(0, len(missing), self.settings.max_texts_per_request):
+            chunk = missing[start: start + self.settings.max_texts_per_request]
+            vecs = await self.embed_texts(model, chunk, Timings(), disconnected, param="labels")
+            for p, v in zip(chunk, vecs):
+                table[p] = v
+                self.label_cache.put((model.name, p), v)
         out = []
         for ps in prompts:
             mean = np.mean([table[p] for p in ps], axis=0)
