@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -214,28 +215,39 @@ def export_tensorrt(
     from softmoe_models.package import read_package
 
     pkg = read_package(package)
-    cache_dir = Path(out_dir) if out_dir else package / "engines"
+    weights = _weights_sha(pkg)
+    # One directory per weights: models sharing a cache volume never overwrite each other.
+    cache_dir = (Path(out_dir) if out_dir else package / "engines") / weights[:16]
     cache_dir.mkdir(parents=True, exist_ok=True)
-    onnx_files = export_onnx(package, cache_dir / "fp32.onnx", experts="batched", towers="split", log=log)
-    engines = []
-    for exported in onnx_files:
-        key = EngineKey(
-            weights_sha256=_weights_sha(pkg), graph=exported.role, tensorrt_version=trt.__version__,
-            gpu_name=gpu_name, compute_capability=capability, precision=precision,
-            profile=(profile.min, profile.opt, profile.max), workspace_bytes=int(workspace_gib * 2**30),
-        )
-        path = cache_dir / key.file_name()
-        if path.is_file():
-            log(f"reusing cached engine {path}")
-        else:
-            inputs = engine_inputs(exported.path)
-            path.write_bytes(build_engine(trt, exported.path, inputs, precision, profile, key.workspace_bytes,
-                                          cache_dir / f"timing-{trt.__version__}-{capability}.cache"))
-            (path.with_suffix(".json")).write_text(json.dumps(asdict(key), indent=1) + "\n")
+    roles = {"classifier": ["classifier"], "two-tower": ["image", "text"], "encoder": ["encoder"]}[pkg.kind]
+    keys = {role: EngineKey(
+        weights_sha256=weights, graph=role, tensorrt_version=trt.__version__, gpu_name=gpu_name,
+        compute_capability=capability, precision=precision, profile=(profile.min, profile.opt, profile.max),
+        workspace_bytes=int(workspace_gib * 2**30)) for role in roles}
+    paths = {role: cache_dir / key.file_name() for role, key in keys.items()}
+    if all(p.is_file() for p in paths.values()):  # verified when built; no re-export on restart
+        for p in paths.values():
+            log(f"reusing cached engine {p}")
+        return list(paths.values())
+    onnx_files = {f.role: f for f in export_onnx(package, cache_dir / "fp32.onnx", experts="batched",
+                                                 towers="split", log=log)}
+    for role, path in paths.items():
+        exported = onnx_files[role]
+        if not path.is_file():
+            engine = build_engine(trt, exported.path, engine_inputs(exported.path), precision, profile,
+                                  keys[role].workspace_bytes, cache_dir / f"timing-{trt.__version__}-{capability}.cache")
+            _atomic_write(path, engine)
+            _atomic_write(path.with_suffix(".json"), (json.dumps(asdict(keys[role]), indent=1) + "\n").encode())
             log(f"built {path}")
         _verify_engine(trt, path, exported.path, profile, precision, tolerance, log)
-        engines.append(path)
-    return engines
+    return list(paths.values())
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write then rename: a replica sharing the cache volume never reads a half-written engine."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def engine_inputs(onnx_path: Path) -> dict[str, tuple[int | str, ...]]:

@@ -196,16 +196,17 @@ def plot_latency_throughput(rows: list[dict], path: Path, title: str = "") -> No
         for key, style in (("p50_ms", "o-"), ("p95_ms", "s--"), ("p99_ms", "^:")):
             ax.plot(x, [r[key] for r in pts], style, label=key.split("_")[0])
         for r in pts:
-            ax.annotate(f"{r['users']}u\n{r['images_per_s']:.0f} img/s", (r["req_per_s"], r["p99_ms"]),
-                        textcoords="offset points", xytext=(4, 4), fontsize=7, color="0.3")
+            ax.annotate(f"{r['users']} users\n{r['images_per_s']:.0f} img/s", (r["req_per_s"], r["p99_ms"]),
+                        textcoords="offset points", xytext=(-5, 6), ha="right", fontsize=7, color="0.3")
         ax.set_xlabel("throughput (successful requests/s)")
         ax.set_ylabel("latency (ms, client-side)")
-        ax.set_ylim(bottom=0)
-        ax.set_xlim(left=0, right=max(x) * 1.2)
+        ax.set_ylim(bottom=0, top=max(r["p99_ms"] for r in pts) * 1.15)
+        ax.set_xlim(left=0, right=max(x) * 1.1)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
     else:
         _empty(ax, "no successful requests")
+    ax.set_xlabel("throughput (successful requests/s)")
     ax.set_title(title or "Latency vs throughput (one point per user count)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
@@ -263,13 +264,15 @@ def plot_stages(stages: dict[str, dict[str, dict]], path: Path) -> None:
         ax.set_xlim(right=max(_row_total(stages[m]) for m in models) * 1.45)
         ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.22))
         ax.grid(axis="x", alpha=0.3)
+        rect = (0, 0.07, 1, 1)
         fig.text(0.01, 0.01, "each stage: its own mean (sum/count); decode/preprocess count /v1 images only (OIP sends "
                  "tensors);\ninference: the whole backend call each item rode in; queue: batching wait + worker busy",
                  fontsize=6, color="0.35", va="bottom")
     else:
+        rect = (0, 0, 1, 1)
         _empty(ax, "no softmoe_image_latency_seconds data in /metrics")
     ax.set_title("Where the time per image goes (softmoe_image_latency_seconds, delta over the run)", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=rect)
     fig.savefig(path)
     plt.close(fig)
 

@@ -19,7 +19,7 @@ DIR gets:
   the sweep), ``stages.png`` (mean time per image by stage from ``softmoe_image_latency_seconds``,
   delta over the sweep); ``batch_sizes.csv``, ``stages.csv``;
 - ``summary.json`` (settings, served models, image groups, totals, errors); ``failures.csv``
-  when something failed; ``server.log`` with ``--start-server``.
+  when something failed; ``server.log`` with ``--start-server`` (when the server logged anything).
 
 Exit status: 0; 1 when a request failed (unless ``--allow-failures``) or none succeeded; 2 when the
 run could not start (server not ready, pre-flight request failed, bad arguments).
@@ -128,6 +128,8 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self._log.close()
+        if self.log_path.stat().st_size == 0:  # --log-level warning: usually nothing to keep
+            self.log_path.unlink()
         return self.proc.returncode
 
 
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         before, metrics_error = scrape(url)
         shape = StepLoadShape(tuple(args.users), args.step_seconds, args.spawn_rate)
         env = Environment(user_classes=[user_class(cfg.endpoints, cfg.wait_s, "SweepUser")], shape_class=shape,
-                          host=url, stop_timeout=0)
+                          host=url, stop_timeout=cfg.timeout_s + 5)  # users finish their request: no disconnects
         records: list[report.Record] = []
 
         def on_request(request_type, name, response_time, response_length, exception=None, context=None, **_):
@@ -248,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
                 stopped_by = "deadline"
                 break
         end = shape.transitions[-1][0] if shape.finished else time.perf_counter()
+        if shape.finished:  # the shape worker is stopping the users itself: let it finish
+            from locust.runners import STATE_STOPPED
+
+            wait_until = time.perf_counter() + env.stop_timeout + 5
+            while runner.state != STATE_STOPPED and time.perf_counter() < wait_until:
+                gevent.sleep(0.05)
         runner.quit()
         after, err2 = scrape(url)
         metrics_error = metrics_error or err2
@@ -324,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             code = server.stop()
-            log(f"server stopped (exit status {code}); log: {server.log_path}")
+            kept = f"; log: {server.log_path}" if server.log_path.exists() else ""
+            log(f"server stopped (exit status {code}){kept}")
 
 
 def _flag(text: str, name: str) -> str | None:

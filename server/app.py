@@ -162,11 +162,13 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
             metrics.model_ready.labels(m.name).set(1)
         batcher.start()
         state.ready = True
+        metrics.server_ready.set(1)
         log.info("ready: %s", ", ".join(f"{m.name} ({m.kind}, {m.backend.name})" for m in loaded))
         try:
             yield
         finally:
             state.ready = False
+            metrics.server_ready.set(0)
             batcher.stop()
             state.service.close()
             for m in loaded:
@@ -192,6 +194,8 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         for m in app.state.models.values():
             for q in m.queues.values():
                 q._gauge()
+        ok = app.state.ready and not app.state.draining and all(m.ready for m in app.state.models.values())
+        metrics.server_ready.set(1 if ok else 0)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(ServiceError)

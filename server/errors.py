@@ -63,5 +63,11 @@ class DeadlineExceeded(ServiceError):
     status, type = 504, "deadline_exceeded"
 
 
+class ClientDisconnected(ServiceError):
+    """The client left before its result was ready (nginx's 499); nobody reads the response."""
+
+    status, type = 499, "client_disconnected"
+
+
 class BackendFailure(Unavailable):
     """The backend raised while computing a batch: that batch's requests get 503."""

@@ -5,7 +5,7 @@ Labels: model, stage, endpoint, status_class, reason. Never a request id or a la
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
 
 STAGES = ("decode", "preprocess", "queue", "inference", "postprocess", "total")
 # Per-image latencies on CPU span ~1 ms (queue) to seconds (large models at batch 32).
@@ -35,6 +35,9 @@ class Metrics:
             ["model"], buckets=(0.0, 0.125, 0.25, 0.5, 0.75, 0.875, 1.0), registry=r,
         )
         self.queue_depth = Gauge("softmoe_queue_depth", "Items waiting for the backend", ["model"], registry=r)
+        self.queue_capacity = Gauge("softmoe_queue_capacity", "Items the model's queues admit", ["model"], registry=r)
+        self.server_ready = Gauge("softmoe_server_ready", "1 while /v2/health/ready answers 200 (0 while draining)",
+                                  registry=r)
         self.in_flight = Gauge("softmoe_requests_in_flight", "HTTP requests being handled", registry=r)
         self.rejected = Counter(
             "softmoe_requests_rejected_total", "Requests refused before inference", ["model", "reason"], registry=r,
@@ -42,6 +45,8 @@ class Metrics:
         self.images = Counter("softmoe_images_total", "Images (and texts) processed", ["model", "endpoint"], registry=r)
         self.model_ready = Gauge("softmoe_model_ready", "1 when the model is loaded and warmed up", ["model"], registry=r)
         self.batches = Counter("softmoe_batches_total", "Backend calls", ["model"], registry=r)
+        ProcessCollector(registry=r)  # process_* (RSS, CPU, start time, open fds)
+        PlatformCollector(registry=r)  # python_info
         self.cache_hits = Counter(
             "softmoe_label_cache_total", "Zero-shot label embedding lookups", ["model", "result"], registry=r,
         )

@@ -36,6 +36,7 @@ class DrainingServer(uvicorn.Server):
             return
         self._draining = True
         self.config.app.state.draining = True
+        self.config.app.state.metrics.server_ready.set(0)
         log.info("%s: not ready; draining for %.1fs, then finishing in-flight requests", signal.Signals(sig).name,
                  self.drain_seconds)
         timer = threading.Timer(self.drain_seconds, self._stop)

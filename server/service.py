@@ -18,7 +18,7 @@ import numpy as np
 from softmoe_models.preprocess import preprocess_image
 
 from .batching.batcher import Batcher, Result
-from .errors import BadRequest, NotFound, QueueFull, Unavailable, Unprocessable
+from .errors import BadRequest, ClientDisconnected, NotFound, QueueFull, Unavailable, Unprocessable
 from .metrics import Metrics
 from .pipeline.decode import decode
 from .registry import ServedModel
@@ -68,6 +68,12 @@ def decode_b64(value: str, param: str) -> bytes:
     if not data:
         raise BadRequest("empty image", param=param)
     return data
+
+
+def _consume(fut: asyncio.Future) -> None:
+    """Retrieve a finished gather's outcome so asyncio never logs it as unretrieved."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class LabelCache:
@@ -121,7 +127,10 @@ class Service:
         queue = model.queues[fn]
         if len(queue.items) + n > queue.max_queue:
             self.metrics.rejected.labels(model.name, "queue_full").inc()
-            raise QueueFull(f"model {model.name!r} has {len(queue.items)} items queued (limit {queue.max_queue})")
+            err = QueueFull(f"model {model.name!r} cannot queue {n} more items: {len(queue.items)} of "
+                            f"{queue.max_queue} taken")
+            err.headers["x-model"] = model.name
+            raise err
 
     def check_count(self, n: int, limit: int, what: str, param: str) -> None:
         if n == 0:
@@ -163,6 +172,7 @@ class Service:
                   disconnected: Callable[[], Awaitable[bool]] | None = None) -> list[Result]:
         """Submit every row to the model's queue and wait for all; a client that leaves cancels them."""
         queue = model.queues[fn]
+        self.admit(model, fn, len(rows))  # all or nothing: no partial submission to cancel
         futures = []
         try:
             for row in rows:
@@ -172,17 +182,18 @@ class Service:
                 f.cancel()
             raise
         gathered = asyncio.ensure_future(asyncio.gather(*futures))
+        gathered.add_done_callback(_consume)
         try:
             while True:
                 done, _ = await asyncio.wait({gathered}, timeout=0.05)
                 if done:
                     break
                 if disconnected is not None and await disconnected():
-                    gathered.cancel()
                     self.metrics.rejected.labels(model.name, "client_disconnected").inc()
-                    raise asyncio.CancelledError("client disconnected")
+                    raise ClientDisconnected("the client disconnected before its result was ready")
             results: list[Result] = gathered.result()
         except BaseException:
+            gathered.cancel()
             for f in futures:
                 f.cancel()
             raise
@@ -289,8 +300,9 @@ class Service:
         missing = [p for p, v in table.items() if v is None]
         self.metrics.cache_hits.labels(model.name, "hit").inc(len(flat) - len(missing))
         self.metrics.cache_hits.labels(model.name, "miss").inc(len(missing))
-        for start in range(0, len(missing), self.settings.max_texts_per_request):
-            chunk = missing[start: start + self.settings.max_texts_per_request]
+        step = max(1, min(self.settings.max_texts_per_request, model.queues["text"].max_queue // 2))
+        for start in range(0, len(missing), step):
+            chunk = missing[start: start + step]
             vecs = await self.embed_texts(model, chunk, Timings(), disconnected, param="labels")
             for p, v in zip(chunk, vecs):
                 table[p] = v

@@ -32,7 +32,7 @@ class TensorRTBackend:
             fn = {"classifier": "classify"}.get(role, role)
             runner = EngineRunner(trt, engine.read_bytes())
             onnx_file = engine.parent / ("fp32.onnx" if role == "classifier" else f"fp32.{role}.onnx")
-            shapes = engine_inputs(onnx_file)
+            shapes = engine_inputs(onnx_file) if onnx_file.is_file() else _shapes_from_engine(runner)
             self.runners[fn] = runner
             self.functions[fn] = FunctionSpec(
                 tuple(InputSpec(n, tuple(int(d) for d in s[1:]), np.dtype(np.int64 if n == "input_ids" else np.float32))
@@ -41,7 +41,7 @@ class TensorRTBackend:
             )
         self._torch = torch
 
-    def run(self, fn: str, inputs: Rows) -> Rows:
+    def run(self, fn: str, inputs: Rows) -> Rows:  # noqa: D102
         out = self.runners[fn]({k: self._torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()})
         return {k: v.numpy() for k, v in out.items()}
 
@@ -53,3 +53,12 @@ class TensorRTBackend:
 
     def close(self) -> None:
         self.runners.clear()
+
+
+def _shapes_from_engine(runner) -> dict[str, tuple]:
+    """Input shapes (batch symbolic) read from a deserialized engine."""
+    out = {}
+    for name in runner.inputs:
+        dims = tuple(runner.engine.get_tensor_shape(name))
+        out[name] = ("batch", *dims[1:])
+    return out

@@ -67,8 +67,9 @@ class ModelQueue:
         self.items: deque[Item] = deque()
 
     def _gauge(self) -> None:
-        if self.metrics:
-            self.metrics.queue_depth.labels(self.label).set(len(self.items))
+        if self.metrics:  # one model's functions (e.g. image and text) share its label: their sum
+            siblings = getattr(self, "siblings", None) or [self]
+            self.metrics.queue_depth.labels(self.label).set(sum(len(q.items) for q in siblings))
 
 
 class Batcher:
@@ -87,6 +88,11 @@ class Batcher:
 
     def add_queue(self, queue: ModelQueue) -> ModelQueue:
         self.queues.append(queue)
+        siblings = [q for q in self.queues if q.label == queue.label]
+        for q in siblings:
+            q.siblings = siblings
+        if self.metrics:
+            self.metrics.queue_capacity.labels(queue.label).set(sum(q.max_queue for q in siblings))
         return queue
 
     def start(self) -> None:

@@ -283,3 +283,23 @@ def test_decoder_fuzz_never_escapes(seed, flips, cut):
         assert 400 <= e.status < 500
     else:
         assert im.mode == "RGB" and im.size[0] >= 1
+
+
+def test_text_admission_is_all_or_nothing_and_prompts_fit_small_queues():
+    from fastapi.testclient import TestClient
+
+    from softmoe_models.demo.data import WORDS
+
+    with TestClient(create_app(Settings(max_queue=24, max_batch_size=8))) as client:
+        # 10 labels x 4 prompts = 40 texts: chunked to what the 24-item queue admits.
+        r = client.post("/v1/zero-shot", json={"images": [b64(_img(1))], "labels": WORDS})
+        assert r.status_code == 200, r.text
+        ids = np.ones((30, 16), np.int64)
+        r = client.post("/v2/models/digits-lit/infer", json={"inputs": [
+            {"name": "input_ids", "shape": [30, 16], "datatype": "INT64", "data": ids.reshape(-1).tolist()}]})
+        assert r.status_code == 429 and "Retry-After" in r.headers and r.headers["x-model"] == "digits-lit"
+        text = client.get("/metrics").text
+        assert 'softmoe_requests_rejected_total{model="digits-lit",reason="queue_full"} 1.0' in text
+        assert 'reason="cancelled"' not in text  # nothing was half-submitted
+        assert 'softmoe_queue_capacity{model="digits-lit"} 48.0' in text  # image + text queues
+        assert "process_resident_memory_bytes" in text and "softmoe_server_ready 1.0" in text
