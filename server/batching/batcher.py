@@ -9,7 +9,9 @@ future with its own row or its own exception.
 Strict determinism: every backend call has exactly ``max_batch_size`` rows (zero padding), so
 the kernels, their tiling and their reduction order never depend on how many items were
 waiting; Soft MoE routes each sequence on its own, so an item's outputs are bitwise identical
-whatever its batch-mates are. Without it, calls have as many rows as items.
+whatever its batch-mates are. Without it, calls have as many rows as items. Since a padded call
+costs a full batch, strict queues open their ``max_delay`` window when the worker becomes free
+(not when the oldest item arrived), so clients answered by one call can fill the next.
 
 Failure isolation: if a call raises, each of its items is re-run alone (same padded shape), so a
 poisoned item fails only itself. An error flagged fatal (``FatalBackendError``, e.g. a sticky
@@ -85,6 +87,7 @@ class Batcher:
         self.before_call: Callable[[ModelQueue, list[Item]], None] | None = None  # test/fault hook
         self._thread = threading.Thread(target=self._run, name=f"softmoe-worker-{device}", daemon=True)
         self.calls = 0
+        self._free_at = 0.0  # when the worker last finished a call
 
     def add_queue(self, queue: ModelQueue) -> ModelQueue:
         self.queues.append(queue)
@@ -143,7 +146,12 @@ class Batcher:
                     self._cond.wait()
                     continue
                 queue = min(waiting, key=lambda q: q.items[0].enqueued)  # oldest head first
-                ready_at = queue.items[0].enqueued + queue.max_delay_s
+                opened = queue.items[0].enqueued
+                if queue.pad:
+                    # A padded call costs a full batch whatever it carries: after a call, give the
+                    # clients it answered max_delay to send their next items before running short.
+                    opened = max(opened, self._free_at)
+                ready_at = opened + queue.max_delay_s
                 now = time.perf_counter()
                 if len(queue.items) < queue.max_batch_size and now < ready_at and not self._stopping:
                     self._cond.wait(ready_at - now)
@@ -163,6 +171,7 @@ class Batcher:
                 continue
             try:
                 self._call(queue, live)
+                self._free_at = time.perf_counter()
             except FatalBackendError as e:
                 self._die(str(e), live)
                 return

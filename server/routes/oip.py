@@ -184,7 +184,7 @@ async def infer(request: Request, model_name: str, version: str | None = None):
         if fn == "text" and ((arr < 0).any() or (arr >= _vocab(model)).any()):
             raise BadRequest(f"input_ids must be in [0, {_vocab(model)})", param=t.name)
         rows = [{t.name: np.ascontiguousarray(r, dtype=spec.dtype)} for r in arr]
-        results = await svc.run(model, fn, rows, timings, request.is_disconnected)
+        results = await svc.run(model, fn, rows, timings, request.receive)
         for name in model.backend.functions[fn].outputs:
             outputs[name] = np.stack([r.outputs[name] for r in results]).astype(np.float32)
     wanted = [o.name for o in req.outputs] if req.outputs else list(outputs)

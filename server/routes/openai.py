@@ -38,7 +38,7 @@ async def embeddings(request: Request):
     if images:
         if not (model.can("image") or model.can("classify")):
             raise Unprocessable(f"model {model.name!r} cannot embed images", param="input")
-        it = iter(await svc.embed_images(model, images, True, timings, request.is_disconnected))
+        it = iter(await svc.embed_images(model, images, True, timings, request.receive))
         for i, img in enumerate(is_image):
             if img:
                 vecs[i] = next(it)
@@ -46,7 +46,7 @@ async def embeddings(request: Request):
     if texts:
         if not model.can("text"):
             raise Unprocessable(f"model {model.name!r} cannot embed text", param="input")
-        it = iter(await svc.embed_texts(model, texts, timings, request.is_disconnected, param="input"))
+        it = iter(await svc.embed_texts(model, texts, timings, request.receive, param="input"))
         for i, img in enumerate(is_image):
             if not img:
                 vecs[i] = next(it)

@@ -22,7 +22,7 @@ def _respond(body: dict, timings, model: str) -> JSONResponse:
 async def classify(request: Request):
     req, blobs = await parse(request, ClassifyRequest)
     svc = request.app.state.service
-    model, results, timings = await svc.classify(req.model, blobs, req.top_k, request.is_disconnected)
+    model, results, timings = await svc.classify(req.model, blobs, req.top_k, request.receive)
     return _respond({"model": model.name, "results": results}, timings, model.name)
 
 
@@ -31,7 +31,7 @@ async def classify(request: Request):
 async def embed(request: Request):
     req, blobs = await parse(request, EmbedRequest, images_required=False)
     svc = request.app.state.service
-    model, img, txt, timings = await svc.embed(req.model, blobs, req.texts or [], req.normalize, request.is_disconnected)
+    model, img, txt, timings = await svc.embed(req.model, blobs, req.texts or [], req.normalize, request.receive)
     body: dict = {"model": model.name}
     if img is not None:
         body["image_embeddings"] = [v.tolist() for v in img]
@@ -46,5 +46,5 @@ async def zero_shot(request: Request):
     req, blobs = await parse(request, ZeroShotRequest)
     svc = request.app.state.service
     model, results, timings = await svc.zero_shot(req.model, blobs, req.labels, req.templates, req.activation,
-                                                  request.is_disconnected)
+                                                  request.receive)
     return _respond({"model": model.name, "results": results}, timings, model.name)

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers.live import free_port, live_server
+from helpers.live import wait_until, free_port, live_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -130,16 +130,10 @@ def prometheus(tmp_path: Path, target: str):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"prometheus did not start:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}")
-            time.sleep(0.2)
+        try:
+            wait_until(f"{url}/-/ready", 30, lambda: proc.poll() is None, "prometheus")
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}") from None
         yield url
     finally:
         proc.terminate()

@@ -17,6 +17,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until(url: str, timeout: float, alive=lambda: True, what: str = "server") -> None:
+    """Poll ``url`` until it answers 200; fail when ``alive()`` turns false or time runs out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if not alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not become ready at {url}")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def live_server(app, timeout: float = 120.0):
     """Run ``app`` on 127.0.0.1 in a thread; yields the base URL once /v2/health/ready is 200."""
@@ -25,17 +39,11 @@ def live_server(app, timeout: float = 120.0):
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline or not thread.is_alive():
-            server.should_exit = True
-            raise RuntimeError("server did not become ready")
-        time.sleep(0.1)
+    try:
+        wait_until(f"{url}/v2/health/ready", timeout, thread.is_alive)
+    except RuntimeError:
+        server.should_exit = True
+        raise
     try:
         yield url
     finally:

@@ -14,7 +14,7 @@ import time
 import httpx
 
 from helpers.images import b64, golden_pngs
-from helpers.live import free_port
+from helpers.live import free_port, wait_until
 
 
 def test_sigterm_drains_without_losing_requests(packages, tmp_path):
@@ -27,15 +27,7 @@ def test_sigterm_drains_without_losing_requests(packages, tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() is not None else "timeout"
-            time.sleep(0.1)
+        wait_until(f"{url}/v2/health/ready", 120, lambda: proc.poll() is None)
 
         statuses: list[int] = []
         body = {"images": [b64(golden_pngs()[0])]}
