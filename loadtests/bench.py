@@ -165,7 +165,7 @@ def section_serving(quick: bool, workdir: Path) -> dict[str, float]:
     small = [jpeg(224, 224, i) for i in range(64)]
     large = [jpeg(640, 480, i) for i in range(64)]
     batch = 32  # the Soft MoE layers stream their expert weights: per-image cost keeps falling past 8
-    window, rounds, conc = (8.0, 2, 40) if quick else (12.0, 4, 40)
+    window, rounds, conc = (8.0, 2, 64) if quick else (12.0, 4, 64)  # 2x the batch: always a full one queued
     common = ["--model", f"s16={pkg}", "--max-delay-ms", "100"]  # ~4% of a full call: lets a batch refill
     servers = {
         "dynamic_strict": Server("dynamic", [*common, "--max-batch-size", str(batch)]),
