@@ -17,7 +17,6 @@ import base64
 import contextlib
 import json
 import logging
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -74,7 +73,8 @@ class ExportedFile:
     verification: list[Verification] = field(default_factory=list)
 
 
-def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph, model=None) -> dict[str, str]:
+def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph, weights_sha: str,
+              model=None) -> dict[str, str]:
     meta = {
         "format": "softmoe-onnx/1",
         "kind": pkg.kind,
@@ -86,7 +86,7 @@ def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Grap
         "outputs": json.dumps(graph.outputs),
         "package_config": json.dumps(pkg.meta, sort_keys=True),
         "preprocess": json.dumps(pkg.meta.get("preprocess")),
-        "weights_sha256": _weights_sha(pkg),
+        "weights_sha256": weights_sha,
     }
     if pkg.labels is not None:
         meta["labels"] = json.dumps(pkg.labels)
@@ -340,6 +340,7 @@ def export_onnx(
         keep = {"both": ["two-tower", "image", "text"], "combined": ["two-tower"], "split": ["image", "text"]}[towers]
         graphs = {k: v for k, v in graphs.items() if k in keep}
     paths = _out_paths(out, list(graphs))
+    weights_sha = _weights_sha(pkg)  # once: the weights file can be gigabytes
     vocab = getattr(getattr(model.cfg, "text", None), "vocab_size", 2)
     batches = verify_batches if dynamic_batch else (2,)
 
@@ -347,7 +348,8 @@ def export_onnx(
     for role, graph in graphs.items():
         path = paths[role]
         t0 = time.perf_counter()
-        data = _export_one(graph, path, opset, dynamic_batch, _metadata(pkg, role, precision, experts, graph, model), external_data)
+        data = _export_one(graph, path, opset, dynamic_batch, _metadata(pkg, role, precision, experts, graph, weights_sha, model),
+                           external_data)
         ops = op_inventory(path)
         if "Einsum" in ops:
             path.unlink(missing_ok=True)
@@ -375,7 +377,3 @@ def _check(path: Path) -> None:
         onnx.checker.check_model(str(path), full_check=False)
     except onnx.checker.ValidationError as e:
         raise ExportError(f"{path}: onnx.checker failed: {str(e).splitlines()[0]}") from None
-
-
-def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)))

@@ -23,8 +23,8 @@ import argparse
 import asyncio
 import io
 import json
-import os
 import random
+import shlex
 import statistics
 import subprocess
 import sys
@@ -35,53 +35,23 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from loadtests.run import ServerProcess, wait_ready
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------ helpers
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`softmoe serve` in a subprocess on loopback."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.name, self.port = name, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "softmoe_models.cli", "serve", "--port", str(self.port), "--log-level", "warning", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-        )
-
-    def wait_ready(self, timeout: float = 600) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"{self.name} exited:\n{self.log.read().decode()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"{self.name} not ready after {timeout}s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def serve(args: list[str]) -> ServerProcess:
+    """`softmoe serve` (loadtests.run's child process on a free loopback port), ready for traffic."""
+    server = ServerProcess(shlex.join(args), Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
+    try:
+        wait_ready(server.url, 600, server)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 async def _closed_loop(url: str, path: str, make_request, seconds: float, concurrency: int) -> tuple[int, int]:
@@ -168,13 +138,11 @@ def section_serving(quick: bool, workdir: Path) -> dict[str, float]:
     window, rounds, conc = (8.0, 2, 64) if quick else (12.0, 4, 64)  # 2x the batch: always a full one queued
     common = ["--model", f"s16={pkg}", "--max-delay-ms", "100"]  # ~4% of a full call: lets a batch refill
     servers = {
-        "dynamic_strict": Server("dynamic", [*common, "--max-batch-size", str(batch)]),
-        "b1": Server("b1", [*common, "--max-batch-size", "1"]),
-        "dynamic_loose": Server("loose", [*common, "--max-batch-size", str(batch), "--no-strict-determinism"]),
+        "dynamic_strict": serve([*common, "--max-batch-size", str(batch)]),
+        "b1": serve([*common, "--max-batch-size", "1"]),
+        "dynamic_loose": serve([*common, "--max-batch-size", str(batch), "--no-strict-determinism"]),
     }
     try:
-        for s in servers.values():
-            s.wait_ready()  # one at a time would be gentler; they load concurrently but only once
 
         def req(images):
             return lambda k: (dict(content=images[k % len(images)], headers={"content-type": "image/jpeg"}), 1)
@@ -249,10 +217,8 @@ def section_zeroshot(quick: bool) -> dict[str, float]:
 
     digits = load_digits()
     blobs = [digit_png(v) for v in digits.data[:64]]
-    servers = {"cache": Server("zs-cache", []), "no_cache": Server("zs-nocache", ["--label-cache-size", "0"])}
+    servers = {"cache": serve([]), "no_cache": serve(["--label-cache-size", "0"])}
     try:
-        for s in servers.values():
-            s.wait_ready()
         import base64
 
         def req(k):

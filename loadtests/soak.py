@@ -20,8 +20,6 @@ monkey.patch_all()
 import argparse  # noqa: E402
 import base64  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -90,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     proc = None
     url, pid = args.url, args.pid
     if args.start_server:
-        from loadtests.bench import Server
+        from loadtests.bench import serve
 
-        proc = Server("soak", []).wait_ready()
+        proc = serve([])
         url, pid = proc.url, proc.proc.pid
     if not url or not pid:
         raise SystemExit("give --url and --pid, or --start-server")

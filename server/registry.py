@@ -45,11 +45,6 @@ class ServedModel:
     def can(self, fn: str) -> bool:
         return fn in self.backend.functions
 
-    @property
-    def num_classes(self) -> int | None:
-        spec = self.backend.functions.get("classify")
-        return None if spec is None else (len(self.labels) if self.labels else None)
-
 
 def parse_spec(spec: str) -> tuple[str | None, Path]:
     """``NAME=PATH`` or ``PATH``."""
