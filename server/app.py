@@ -23,8 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from softmoe_models import __version__
 
 from .batching.batcher import Batcher
-from .errors import PayloadTooLarge, QueueFull, ServiceError, Unavailable
-from .metrics import Metrics
+from . import context
+from .errors import BadRequest, PayloadTooLarge, QueueFull, ServiceError, Unavailable
+from .metrics import DOOR, Metrics
 from .registry import ServedModel, attach_queues, load_served_model, warmup
 from .service import Service
 from .settings import Settings
@@ -32,7 +33,9 @@ from .settings import Settings
 log = logging.getLogger("softmoe.server")
 
 
-def _error(exc: ServiceError, path: str = "") -> JSONResponse:
+def _error(exc: ServiceError, path: str = "", metrics: Metrics | None = None) -> JSONResponse:
+    if metrics is not None:
+        metrics.errors.labels(exc.type).inc()
     return JSONResponse(_body(exc.body(), path), status_code=exc.status, headers=exc.headers)
 
 
@@ -43,59 +46,32 @@ def _body(body: dict, path: str) -> dict:
     return body
 
 
-class BodyLimit:
-    """413 past ``limit`` bytes: from Content-Length before reading, else by counting the stream."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        if length is not None:
-            try:
-                too_big = int(length) > self.limit
-            except ValueError:
-                too_big = False
-            if too_big:
-                too_large = PayloadTooLarge(f"request body of {int(length)} bytes exceeds the limit of {self.limit}")
-                return await _error(too_large, scope.get("path", ""))(scope, receive, send)
-        received = 0
-        started = False
-
-        async def counted() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:  # raised inside the route: the error handler answers 413
-                    raise PayloadTooLarge(f"request body exceeds the limit of {self.limit} bytes")
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, counted, tracking_send)
-        except PayloadTooLarge as exc:  # raised where no handler runs (e.g. a middleware reading)
-            if not started:
-                await _error(exc, scope.get("path", ""))(scope, receive, send)
-
-
+ERROR_TYPES = ("invalid_request", "not_found", "payload_too_large", "unsupported_media_type", "overloaded",
+               "unavailable", "deadline_exceeded", "client_disconnected", "internal_error", "inference_failed",
+               "http_error")
+STATUSES = (200, 400, 404, 405, 413, 415, 422, 429, 499, 500, 503, 504)
 EXEMPT = ("/v2/health", "/metrics")
 
 
 class Observe:
-    """Outermost (pure ASGI, so ``receive`` reaches the routes untouched and a client's disconnect
-    is seen): request id, timing headers, request metrics, in-flight cap, draining."""
+    """Outermost, pure ASGI (``receive`` reaches the routes untouched, so a client's disconnect is
+    seen). For every request: an id (``x-request-id``, echoed or made) and a deadline in the
+    request context, timing headers, request metrics, and the one error path: a ServiceError
+    raised anywhere below, or any unexpected exception, becomes a JSON error response carrying the
+    request id and counted with its status; an unexpected exception's text is logged with the
+    request id, never sent.
+
+    Admission is a reservation made here, at the door, atomically (one event loop, no await
+    between check and take): one in-flight place and the body's declared bytes against
+    ``max_in_flight`` and ``max_in_flight_bytes``; a chunked body reserves its bytes as they
+    arrive. Bodies over ``max_body_bytes`` get 413: from Content-Length before reading, else as
+    soon as the count passes the limit.
+    """
 
     def __init__(self, app: ASGIApp, state, metrics: Metrics, settings: Settings) -> None:
         self.app, self.state, self.metrics, self.settings = app, state, metrics, settings
+        self.in_flight = 0
+        self.in_flight_bytes = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,37 +79,114 @@ class Observe:
         start = time.perf_counter()
         path = scope.get("path", "")
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
-        seen: dict[str, object] = {"status": 500, "model": "none"}
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128]
+        request_id = rid if rid and rid.isprintable() else uuid.uuid4().hex
+        tokens = (context.request_id.set(request_id),
+                  context.deadline.set(start + self.settings.request_timeout_s))
+        seen: dict[str, object] = {"status": 500, "model": "none", "started": False}
+        settings, metrics = self.settings, self.metrics
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
-                seen["status"] = message["status"]
+                seen["status"], seen["started"] = message["status"], True
                 out = MutableHeaders(scope=message)
                 seen["model"] = out.get("x-model", "none")
                 out["x-request-id"] = request_id
                 out["x-total-time"] = f"{(time.perf_counter() - start) * 1e3:.2f}"
             await send(message)
 
+        async def refuse(exc: ServiceError, reason: str | None = None) -> None:
+            if reason:
+                metrics.rejected.labels(DOOR, reason).inc()
+            await _error(exc, path, metrics)(scope, receive, send_wrapper)
+
         exempt = path.startswith(EXEMPT)
-        if self.state.draining and not exempt:
-            await _error(Unavailable("the server is shutting down", retry_after_s=5), path)(scope, receive, send_wrapper)
-        elif not exempt and self.metrics.in_flight._value.get() >= self.settings.max_in_flight:
-            self.metrics.rejected.labels("none", "too_many_requests").inc()
-            too_many = QueueFull(f"{self.settings.max_in_flight} requests in flight; try again shortly")
-            await _error(too_many, path)(scope, receive, send_wrapper)
-        else:
-            self.metrics.in_flight.inc()
-            try:
-                await self.app(scope, receive, send_wrapper)
-            finally:
-                self.metrics.in_flight.dec()
+        declared = _content_length(headers.get(b"content-length"))
+        reserved = 0
+        admitted = False
+        try:
+            if exempt:
+                admitted = True
+            elif self.state.draining:
+                await refuse(Unavailable("the server is shutting down", retry_after_s=5), "draining")
+            elif declared == -1:
+                await refuse(BadRequest("invalid Content-Length header"))
+            elif declared is not None and declared > settings.max_body_bytes:
+                await refuse(PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of "
+                                             f"{settings.max_body_bytes} (max_body_bytes)"), "over_budget")
+            elif self.in_flight >= settings.max_in_flight:
+                await refuse(QueueFull(f"{settings.max_in_flight} requests in flight; try again shortly"),
+                             "too_many_requests")
+            elif self.in_flight_bytes + (declared or 0) > settings.max_in_flight_bytes:
+                await refuse(QueueFull(f"the requests in flight hold {self.in_flight_bytes} body bytes; this one "
+                                       f"needs {declared} more (max_in_flight_bytes "
+                                       f"{settings.max_in_flight_bytes}); try again shortly"), "body_budget")
+            else:
+                admitted = True
+                reserved = declared or 0
+                self._take(1, reserved)
+            if admitted:
+                received = 0
+
+                async def counted() -> Message:
+                    nonlocal received, reserved
+                    message = await receive()
+                    if message["type"] == "http.request":
+                        received += len(message.get("body", b""))
+                        if received > settings.max_body_bytes:
+                            metrics.rejected.labels(DOOR, "over_budget").inc()
+                            raise PayloadTooLarge(f"request body exceeds the limit of {settings.max_body_bytes} "
+                                                  "bytes (max_body_bytes)")
+                        if not exempt and received > reserved:  # a chunked body reserves as it arrives
+                            more = received - reserved
+                            if self.in_flight_bytes + more > settings.max_in_flight_bytes:
+                                metrics.rejected.labels(DOOR, "body_budget").inc()
+                                raise QueueFull("the requests in flight hold too many body bytes "
+                                                f"(max_in_flight_bytes {settings.max_in_flight_bytes}); try again "
+                                                "shortly")
+                            self._take(0, more)
+                            reserved += more
+                    return message
+
+                await self.app(scope, counted if not exempt else receive, send_wrapper)
+        except ServiceError as exc:  # raised outside a route's handlers (e.g. while reading the body)
+            if not seen["started"]:
+                await _error(exc, path, metrics)(scope, receive, send_wrapper)
+        except Exception:  # noqa: BLE001 - the one error path: JSON, request id, counted, text only logged
+            log.exception("unexpected error on %s (request id %s)", path, request_id)
+            if not seen["started"]:
+                body = {"error": {"message": f"internal error (request id {request_id})", "type": "internal_error",
+                                  "code": 500}}
+                metrics.errors.labels("internal_error").inc()
+                await JSONResponse(_body(body, path), status_code=500)(scope, receive, send_wrapper)
+        finally:
+            if admitted and not exempt:
+                self._take(-1, -reserved)
+            context.request_id.reset(tokens[0])
+            context.deadline.reset(tokens[1])
         if not exempt:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             status = int(seen["status"])  # type: ignore[arg-type]
-            self.metrics.request_duration.labels(seen["model"], endpoint, f"{status // 100}xx").observe(
+            metrics.responses.labels(str(status)).inc()
+            metrics.request_duration.labels(seen["model"], endpoint, f"{status // 100}xx").observe(
                 time.perf_counter() - start)
+
+    def _take(self, requests: int, nbytes: int) -> None:
+        self.in_flight += requests
+        self.in_flight_bytes += nbytes
+        self.metrics.in_flight.set(self.in_flight)
+        self.metrics.in_flight_bytes.set(self.in_flight_bytes)
+
+
+def _content_length(value: bytes | None) -> int | None:
+    """The declared body length; None when absent, -1 when malformed."""
+    if value is None:
+        return None
+    text = value.decode("latin-1").strip()
+    if not text.isdigit() or len(text) > 18:
+        return -1
+    return int(text)
 
 
 def create_app(settings: Settings | None = None, *, models: list[ServedModel] | None = None) -> FastAPI:
@@ -152,7 +205,13 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         batcher = Batcher(settings.device, metrics)
         for m in loaded:
             metrics.model_ready.labels(m.name).set(0)
+            metrics.init_model(m.name)
             attach_queues(m, batcher, settings, metrics)
+            info = m.backend.describe()
+            providers = info.get("providers") or {}
+            provider = sorted({p[0] for p in providers.values() if p})[0] if providers else info.get("device", "")
+            metrics.backend_info.labels(m.name, info.get("backend", m.backend.name), info.get("device", ""),
+                                        info.get("precision", settings.precision), provider).set(1)
         state.models = {m.name: m for m in loaded}
         state.batcher = batcher
         state.service = Service(settings, state.models, batcher, metrics)
@@ -161,6 +220,7 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
             m.ready = True
             metrics.model_ready.labels(m.name).set(1)
         batcher.start()
+        metrics.worker_alive.set(1)
         state.ready = True
         metrics.server_ready.set(1)
         log.info("ready: %s", ", ".join(f"{m.name} ({m.kind}, {m.backend.name})" for m in loaded))
@@ -182,6 +242,7 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     app.state.settings, app.state.metrics = settings, metrics
     app.state.ready, app.state.draining = False, False
     app.state.models, app.state.batcher = {}, None
+    metrics.init_errors(ERROR_TYPES, STATUSES)
 
     from .routes import oip, openai, v1
 
@@ -194,36 +255,40 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         for m in app.state.models.values():
             for q in m.queues.values():
                 q._gauge()
-        ok = app.state.ready and not app.state.draining and all(m.ready for m in app.state.models.values())
-        metrics.server_ready.set(1 if ok else 0)
+        batcher = app.state.batcher
+        metrics.worker_alive.set(1 if batcher is not None and batcher.alive else 0)
+        metrics.server_ready.set(1 if is_ready(app.state) else 0)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError):
-        return _error(exc, request.url.path)
+        return _error(exc, request.url.path, metrics)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         body = {"error": {"message": f"{loc}: {err.get('msg', 'invalid request')}", "type": "invalid_request", "code": 422}}
+        metrics.errors.labels("invalid_request").inc()
         return JSONResponse(_body(body, request.url.path), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         body = {"error": {"message": str(exc.detail), "type": "http_error", "code": exc.status_code}}
+        metrics.errors.labels("http_error").inc()
         return JSONResponse(_body(body, request.url.path), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        log.exception("unexpected error on %s", request.url.path)
-        body = {"error": {"message": "internal error", "type": "internal_error", "code": 500}}
-        return JSONResponse(_body(body, request.url.path), status_code=500)
-
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    # Unexpected exceptions are answered by Observe (outermost), so they carry the request id too.
     app.add_middleware(Observe, state=app.state, metrics=metrics, settings=settings)  # outermost
     _openapi_components(app)
     return app
+
+
+def is_ready(state) -> bool:
+    """Every model loaded and warmed up, the device worker alive, not draining."""
+    batcher = state.batcher
+    return bool(state.ready and not state.draining and batcher is not None and batcher.alive
+                and all(m.ready for m in state.models.values()))
 
 
 def _openapi_components(app: FastAPI) -> None:

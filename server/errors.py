@@ -70,4 +70,12 @@ class ClientDisconnected(ServiceError):
 
 
 class BackendFailure(Unavailable):
-    """The backend raised while computing a batch: that batch's requests get 503."""
+    """A transient backend failure (out of memory, a timeout): 503 with Retry-After, nothing retried."""
+
+
+class InferenceFailed(ServiceError):
+    """A deterministic backend failure of one item (found by bisecting its batch): 500 for that
+    item's request only, without Retry-After (the same input fails the same way again). The
+    exception text is logged with the request id, never sent to the client."""
+
+    status, type = 500, "inference_failed"

@@ -11,6 +11,20 @@ STAGES = ("decode", "preprocess", "queue", "inference", "postprocess", "total")
 # Per-image latencies on CPU span ~1 ms (queue) to seconds (large models at batch 32).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Every reason a request is refused before (or instead of) inference. Each series exists from the
+# first scrape at 0, so dashboards show 0 rather than "no data" and rate() works from the start.
+REJECT_REASONS = (
+    "too_many_requests",  # the in-flight request cap, at the door (429)
+    "body_budget",  # the in-flight body byte budget, at the door or while a chunked body arrives (429)
+    "queue_full",  # the model's queue cannot take the request's items (429)
+    "over_budget",  # a body, image or request over its size, pixel or text-row budget (413/422)
+    "deadline",  # the request's deadline passed while decoding or queued (504)
+    "cancelled",  # its client left: dropped before compute
+    "client_disconnected",  # its client left while it waited
+    "draining",  # shutting down (503)
+)
+ENDPOINTS = ("classify", "embed", "zero_shot", "embeddings", "oip_infer")
+DOOR = "none"  # the model label of refusals made before the model is known
 
 
 class Metrics:
@@ -50,3 +64,36 @@ class Metrics:
         self.cache_hits = Counter(
             "softmoe_label_cache_total", "Zero-shot label embedding lookups", ["model", "result"], registry=r,
         )
+        self.in_flight_bytes = Gauge("softmoe_requests_in_flight_bytes",
+                                     "Request body bytes reserved by the requests in flight", registry=r)
+        self.errors = Counter("softmoe_errors_total", "Error responses by type (the JSON error's type field)",
+                              ["type"], registry=r)
+        self.backend_info = Gauge(
+            "softmoe_backend_info", "1 per served model: the backend, device, precision and execution provider "
+            "actually in use", ["model", "backend", "device", "precision", "provider"], registry=r,
+        )
+        self.responses = Counter("softmoe_responses_total", "HTTP responses by status code (health and metrics "
+                                 "excluded)", ["status"], registry=r)
+        self.worker_alive = Gauge("softmoe_worker_alive", "1 while the device's batcher worker runs", registry=r)
+        for reason in REJECT_REASONS:
+            self.rejected.labels(DOOR, reason)
+
+    def init_model(self, model: str, functions: list[str] | tuple[str, ...] = ()) -> None:
+        """Create every labelled series of ``model`` at 0 (counters) or empty (histograms)."""
+        for reason in REJECT_REASONS:
+            self.rejected.labels(model, reason)
+        for endpoint in ENDPOINTS:
+            self.images.labels(model, endpoint)
+        for stage in STAGES:
+            self.image_latency.labels(model, stage)
+        for result in ("hit", "miss"):
+            self.cache_hits.labels(model, result)
+        self.batches.labels(model)
+        self.batch_size.labels(model)
+        self.batch_padding_ratio.labels(model)
+
+    def init_errors(self, types: tuple[str, ...], statuses: tuple[int, ...]) -> None:
+        for t in types:
+            self.errors.labels(t)
+        for status in statuses:
+            self.responses.labels(str(status))

@@ -47,7 +47,7 @@ class RepositoryEntry(BaseModel):
 
 
 class ClassifyRequest(_Strict):
-    model: str | None = Field(None, description="served model name; default: the first classifier")
+    model: str | None = Field(None, max_length=256, description="served model name; default: the first classifier")
     images: list[str] = Field(..., min_length=1, description="base64 strings or data:image/...;base64, URIs")
     top_k: int = Field(5, ge=1, le=1000, description="labels returned per image")
 
@@ -68,7 +68,7 @@ class ClassifyResponse(BaseModel):
 
 
 class EmbedRequest(_Strict):
-    model: str | None = Field(None, description="served model name; default: the first model that can embed")
+    model: str | None = Field(None, max_length=256, description="served model name; default: the first model that can embed")
     images: list[str] | None = Field(None, description="base64 strings or data URIs")
     texts: list[str] | None = Field(None, description="texts (two-tower models with a tokenizer)")
     normalize: bool = Field(True, description="L2-normalise (two-tower embeddings are always normalised)")
@@ -81,7 +81,7 @@ class EmbedResponse(BaseModel):
 
 
 class ZeroShotRequest(_Strict):
-    model: str | None = Field(None, description="served two-tower model; default: the first one")
+    model: str | None = Field(None, max_length=256, description="served two-tower model; default: the first one")
     images: list[str] = Field(..., min_length=1)
     labels: list[str] = Field(..., min_length=1, description="candidate labels")
     templates: list[str] | None = Field(None, description="prompt templates with one '{}' each; default: the model's")
@@ -107,7 +107,7 @@ class EmbeddingsRequest(BaseModel):
     """OpenAI ``POST /v1/embeddings``; image inputs as ``data:image/...;base64,`` URIs."""
 
     model_config = ConfigDict(extra="allow")
-    model: str
+    model: str = Field(..., max_length=256)
     input: str | list[str] = Field(..., description="texts and/or image data URIs")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
@@ -134,22 +134,22 @@ class EmbeddingsResponse(BaseModel):
 
 class OIPTensor(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: str
+    name: str = Field(..., max_length=256)
     shape: list[int]
-    datatype: str
+    datatype: str = Field(..., max_length=16)
     parameters: dict[str, Any] | None = None
     data: list[Any] | None = None
 
 
 class OIPRequestedOutput(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: str
+    name: str = Field(..., max_length=256)
     parameters: dict[str, Any] | None = None
 
 
 class OIPInferRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    id: str | None = None
+    id: str | None = Field(None, max_length=256)
     parameters: dict[str, Any] | None = None
     inputs: list[OIPTensor]
     outputs: list[OIPRequestedOutput] | None = None
@@ -175,6 +175,8 @@ class OIPModelMetadata(BaseModel):
     platform: str
     inputs: list[OIPMetadataTensor]
     outputs: list[OIPMetadataTensor]
+    parameters: dict[str, Any] | None = Field(
+        None, description="the backend, device, precision and (ONNX Runtime) execution providers actually in use")
 
 
 class OIPServerMetadata(BaseModel):

@@ -17,12 +17,16 @@ import numpy as np
 
 from softmoe_models.preprocess import preprocess_image
 
-from .batching.batcher import Batcher, Result
-from .errors import BadRequest, ClientDisconnected, NotFound, QueueFull, Unavailable, Unprocessable
+from . import context
+from .batching.batcher import Batcher, ModelQueue, Result
+from .errors import BadRequest, ClientDisconnected, NotFound, ServiceError, Unavailable, Unprocessable
 from .metrics import Metrics
 from .pipeline.decode import decode
+from .pipeline.probe import ImageInfo, budget, probe
 from .registry import ServedModel
 from .settings import Settings
+
+MAX_TEMPLATES = 32
 
 
 @dataclass
@@ -82,6 +86,36 @@ def _consume(fut: asyncio.Future) -> None:
         fut.exception()
 
 
+def _prompt(template: str, label: str) -> str:
+    return template.replace("{}", label) if "{}" in template else f"{template} {label}"
+
+
+class Reservation:
+    """Places held in one model queue for a request's items, taken before its images are decoded
+    (all or nothing, 429 when they do not fit) and filled by its submits; what is left is given
+    back when the request ends, however it ends."""
+
+    def __init__(self, batcher: Batcher, queue: ModelQueue, n: int) -> None:
+        batcher.reserve(queue, n)
+        self.batcher, self.queue, self.left = batcher, queue, n
+
+    def take(self) -> bool:
+        if self.left > 0:
+            self.left -= 1
+            return True
+        return False
+
+    def close(self) -> None:
+        self.batcher.release(self.queue, self.left)
+        self.left = 0
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class LabelCache:
     """Bounded LRU of text embeddings keyed by (model, text)."""
 
@@ -128,15 +162,13 @@ class Service:
             raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
         return model
 
-    def admit(self, model: ServedModel, fn: str, n: int) -> None:
-        """429 before any decoding when the model's queue cannot take ``n`` more items."""
-        queue = model.queues[fn]
-        if len(queue.items) + n > queue.max_queue:
-            self.metrics.rejected.labels(model.name, "queue_full").inc()
-            err = QueueFull(f"model {model.name!r} cannot queue {n} more items: {len(queue.items)} of "
-                            f"{queue.max_queue} taken")
-            err.headers["x-model"] = model.name
-            raise err
+    def reserve(self, model: ServedModel, fn: str, n: int) -> Reservation:
+        """Hold ``n`` places in the model function's queue before any decoding (429 if they do not fit)."""
+        try:
+            return Reservation(self.batcher, model.queues[fn], n)
+        except ServiceError as e:
+            e.headers.setdefault("x-model", model.name)
+            raise
 
     def check_count(self, n: int, limit: int, what: str, param: str) -> None:
         if n == 0:
@@ -146,27 +178,52 @@ class Service:
 
     # ------------------------------------------------------------------ stages
 
+    def probe_images(self, blobs: list[bytes], target_size: int | None, param: str = "images") -> list[ImageInfo]:
+        """Every image's size from its header, and the request's pixel budget: 413 before decoding."""
+        infos = []
+        for i, data in enumerate(blobs):
+            try:
+                infos.append(probe(data, target_size=target_size))
+            except ServiceError as e:
+                e.param = e.param or f"{param}[{i}]"
+                raise
+        try:
+            budget(infos, self.settings.max_image_pixels, self.settings.max_request_pixels, param=param)
+        except ServiceError as e:
+            e.param = e.param or param
+            self.metrics.rejected.labels("none", "over_budget").inc()
+            raise
+        return infos
+
     async def pixel_rows(self, model: ServedModel, blobs: list[bytes], timings: Timings, param: str = "images") -> list[np.ndarray]:
-        """Decode and preprocess every image in the thread pool, concurrently."""
+        """Probe every image (sizes and the request's pixel budget), then decode and preprocess
+        them in the thread pool, each decode bounded by the request's deadline."""
         self.check_count(len(blobs), self.settings.max_images_per_request, "images", param)
         if model.preprocess is None:
             raise Unprocessable(f"model {model.name!r} takes no images", param="model")
-        self.admit(model, "image" if model.can("image") else "classify", len(blobs))
         cfg, loop = model.preprocess, asyncio.get_running_loop()
+        infos = await asyncio.to_thread(self.probe_images, blobs, cfg.image_size, param)
+        deadline = context.deadline.get()
+        max_pixels = self.settings.max_image_pixels
 
-        def work(data: bytes, i: int) -> tuple[np.ndarray, float, float]:
+        def work(data: bytes, info: ImageInfo, i: int) -> tuple[np.ndarray, float, float]:
             t0 = time.perf_counter()
             try:
-                im = decode(data, cfg.image_size, self.settings.max_image_pixels)
-            except Exception as e:
-                if getattr(e, "param", None) is None and hasattr(e, "param"):
-                    e.param = f"{param}[{i}]"
+                im = decode(data, cfg.image_size, max_pixels, deadline=deadline, info=info)
+            except ServiceError as e:
+                e.param = e.param or f"{param}[{i}]"
                 raise
             t1 = time.perf_counter()
             px = preprocess_image(im, cfg)
             return px, t1 - t0, time.perf_counter() - t1
 
-        done = await asyncio.gather(*(loop.run_in_executor(self.pool, work, b, i) for i, b in enumerate(blobs)))
+        jobs = [loop.run_in_executor(self.pool, work, b, info, i) for i, (b, info) in enumerate(zip(blobs, infos))]
+        try:
+            done = await asyncio.gather(*jobs)
+        except BaseException:
+            for j in jobs:  # images not started yet are never decoded
+                j.cancel()
+            raise
         timings.add("decode", [d for _, d, _ in done])
         timings.add("preprocess", [p for _, _, p in done])
         for _, d, p in done:
@@ -174,8 +231,19 @@ class Service:
             self.metrics.image_latency.labels(model.name, "preprocess").observe(p)
         return [px for px, _, _ in done]
 
+    async def image_results(self, model: ServedModel, fn: str, blobs: list[bytes], timings: Timings, receive=None,
+                            param: str = "images") -> list[Result]:
+        """Images through one model function: places reserved in its queue first, then probe,
+        decode, preprocess, and the batcher."""
+        self.check_count(len(blobs), self.settings.max_images_per_request, "images", param)
+        with self.reserve(model, fn, len(blobs)) as held:
+            pixels = await self.pixel_rows(model, blobs, timings, param)
+            return await self.run(model, fn, [{"pixel_values": p} for p in pixels], timings, receive, held=held,
+                                  param=param)
+
     async def run(self, model: ServedModel, fn: str, rows: list[dict[str, np.ndarray]], timings: Timings,
-                  receive: Callable[[], Awaitable[dict]] | None = None) -> list[Result]:
+                  receive: Callable[[], Awaitable[dict]] | None = None, *, held: Reservation | None = None,
+                  param: str | None = None) -> list[Result]:
         """Submit every row to the model's queue and wait for all; a client that leaves cancels them.
 
         ``receive`` is the request's ASGI receive: once the body is read, its next message is the
@@ -184,15 +252,21 @@ class Service:
         between torch ops: 35% of the backend's throughput on 2 cores).
         """
         queue = model.queues[fn]
-        self.admit(model, fn, len(rows))  # all or nothing: no partial submission to cancel
+        own = held is None
+        held = held or self.reserve(model, fn, len(rows))  # all or nothing: no partial submission to cancel
         futures = []
+        deadline, tag = context.deadline.get(), context.request_id.get()
         try:
             for row in rows:
-                futures.append(self.batcher.submit(queue, row, self.settings.request_timeout_s))
+                futures.append(self.batcher.submit(queue, row, self.settings.request_timeout_s, deadline=deadline,
+                                                   reserved=held.take(), tag=tag))
         except Exception:
             for f in futures:
                 f.cancel()
             raise
+        finally:
+            if own:
+                held.close()
         gathered = asyncio.ensure_future(asyncio.gather(*futures))
         gathered.add_done_callback(_consume)
         watcher = asyncio.ensure_future(_until_disconnect(receive)) if receive is not None else None
@@ -203,6 +277,14 @@ class Service:
                 self.metrics.rejected.labels(model.name, "client_disconnected").inc()
                 raise ClientDisconnected("the client disconnected before its result was ready")
             results: list[Result] = gathered.result()
+        except ServiceError as e:
+            gathered.cancel()
+            for f in futures:
+                f.cancel()
+            if param and not e.param:  # name the failing item
+                failed = [i for i, f in enumerate(futures) if f.done() and not f.cancelled() and f.exception() is e]
+                e.param = f"{param}[{failed[0]}]" if failed else param
+            raise
         except BaseException:
             gathered.cancel()
             for f in futures:
@@ -233,8 +315,7 @@ class Service:
     async def classify(self, name, blobs, top_k, receive=None):
         t0, timings = time.perf_counter(), Timings()
         model = self.pick(name, "classify", "classify images")
-        pixels = await self.pixel_rows(model, blobs, timings)
-        results = await self.run(model, "classify", [{"pixel_values": p} for p in pixels], timings, receive)
+        results = await self.image_results(model, "classify", blobs, timings, receive)
         t_post = time.perf_counter()
         out = []
         for r in results:
@@ -251,10 +332,10 @@ class Service:
         self.finish(model, "classify", timings, t_post, t0)
         return model, out, timings
 
-    async def embed_images(self, model: ServedModel, blobs, normalize: bool, timings: Timings, receive=None):
-        pixels = await self.pixel_rows(model, blobs, timings)
+    async def embed_images(self, model: ServedModel, blobs, normalize: bool, timings: Timings, receive=None,
+                           param: str = "images"):
         fn, key = ("image", "image_embeds") if model.can("image") else ("classify", "pre_logits")
-        results = await self.run(model, fn, [{"pixel_values": p} for p in pixels], timings, receive)
+        results = await self.image_results(model, fn, blobs, timings, receive, param)
         vecs = [r.outputs[key].astype(np.float32) for r in results]
         if normalize and fn == "classify":
             vecs = [v / (np.linalg.norm(v) + 1e-8) for v in vecs]
@@ -271,7 +352,7 @@ class Service:
             if len(t) > self.settings.max_text_chars:
                 raise Unprocessable(f"text of {len(t)} characters; the limit is {self.settings.max_text_chars}", param=f"{param}[{i}]")
         ids = model.tokenizer(texts)
-        results = await self.run(model, "text", [{"input_ids": row} for row in ids], timings, receive)
+        results = await self.run(model, "text", [{"input_ids": row} for row in ids], timings, receive, param=param)
         return [r.outputs["text_embeds"].astype(np.float32) for r in results]
 
     async def embed(self, name, blobs, texts, normalize, receive=None):
@@ -308,7 +389,7 @@ class Service:
 
     async def label_embeddings(self, model: ServedModel, labels: list[str], templates: list[str], receive=None) -> np.ndarray:
         """(len(labels), D): per label the renormalised mean of its prompts' embeddings, cached per prompt."""
-        prompts = [[t.replace("{}", label) if "{}" in t else f"{t} {label}" for t in templates] for label in labels]
+        prompts = [[_prompt(t, label) for t in templates] for label in labels]
         flat = sorted({p for ps in prompts for p in ps})
         table = {p: self.label_cache.get((model.name, p)) for p in flat}
         missing = [p for p, v in table.items() if v is None]
@@ -327,26 +408,53 @@ class Service:
             out.append(mean / (np.linalg.norm(mean) + 1e-8))
         return np.stack(out).astype(np.float32)
 
+    def check_prompts(self, model: ServedModel, labels, templates) -> list[str]:
+        """Every zero-shot text input checked before any tower runs; returns the templates used."""
+        limit = self.settings.max_text_chars
+        self.check_count(len(labels), self.settings.max_texts_per_request, "labels", "labels")
+        for i, label in enumerate(labels):
+            if not isinstance(label, str) or not label.strip():
+                raise Unprocessable("labels must be non-empty strings", param=f"labels[{i}]")
+            if len(label) > limit:
+                raise Unprocessable(f"label of {len(label)} characters; the limit is {limit}", param=f"labels[{i}]")
+        if len(set(labels)) != len(labels):
+            dup = next(i for i, v in enumerate(labels) if labels.index(v) != i)
+            raise Unprocessable(f"labels must be distinct: {labels[dup][:40]!r} repeats", param=f"labels[{dup}]")
+        given = templates is not None
+        templates = templates or model.templates
+        self.check_count(len(templates), MAX_TEMPLATES, "templates", "templates")
+        for j, t in enumerate(templates):
+            if not isinstance(t, str) or t.count("{}") > 1 or len(t) > limit:
+                raise Unprocessable(f"a template is a string of at most {limit} characters with at most one '{{}}'",
+                                    param=f"templates[{j}]")
+        rows = len(labels) * len(templates)
+        if rows > self.settings.max_text_rows_per_request:
+            self.metrics.rejected.labels(model.name, "over_budget").inc()
+            raise Unprocessable(f"{len(labels)} labels x {len(templates)} templates = {rows} prompts; the limit is "
+                                f"{self.settings.max_text_rows_per_request} (max_text_rows_per_request)",
+                                param="templates" if given else "labels")
+        for i, label in enumerate(labels):
+            for j, t in enumerate(templates):
+                n = len(_prompt(t, label))
+                if n > limit:
+                    raise Unprocessable(f"label {i} in template {j} ({t[:30]!r}) makes a prompt of {n} characters; "
+                                        f"the limit is {limit}", param=f"labels[{i}]")
+        return templates
+
     async def zero_shot(self, name, blobs, labels, templates, activation, receive=None):
         t0, timings = time.perf_counter(), Timings()
         model = self.pick(name, "text", "do zero-shot classification")
         if not model.can("image"):
             raise Unprocessable(f"model {model.name!r} has no image tower", param="model")
-        self.check_count(len(labels), self.settings.max_texts_per_request, "labels", "labels")
-        for i, label in enumerate(labels):
-            if not isinstance(label, str) or not label.strip():
-                raise Unprocessable("labels must be non-empty strings", param=f"labels[{i}]")
-            if len(label) > self.settings.max_text_chars:
-                raise Unprocessable(f"label of {len(label)} characters; the limit is {self.settings.max_text_chars}", param=f"labels[{i}]")
-        if len(set(labels)) != len(labels):
-            raise Unprocessable("labels must be distinct", param="labels")
-        templates = templates or model.templates
-        self.check_count(len(templates), 32, "templates", "templates")
-        for i, t in enumerate(templates):
-            if not isinstance(t, str) or t.count("{}") > 1 or len(t) > self.settings.max_text_chars:
-                raise Unprocessable("a template is a string with at most one '{}'", param=f"templates[{i}]")
-        zlab = await self.label_embeddings(model, labels, templates, receive)
-        zimg = np.stack(await self.embed_images(model, blobs, True, timings, receive))
+        templates = self.check_prompts(model, labels, templates)
+        self.check_count(len(blobs), self.settings.max_images_per_request, "images", "images")
+        with self.reserve(model, "image", len(blobs)) as held:
+            # Images are probed, decoded and preprocessed (validated) before either tower runs.
+            pixels = await self.pixel_rows(model, blobs, timings)
+            zlab = await self.label_embeddings(model, labels, templates, receive)
+            results = await self.run(model, "image", [{"pixel_values": p} for p in pixels], timings, receive,
+                                     held=held, param="images")
+        zimg = np.stack([r.outputs["image_embeds"].astype(np.float32) for r in results])
         t_post = time.perf_counter()
         scale = model.logit_scale if model.logit_scale is not None else 1.0
         bias = model.logit_bias or 0.0

@@ -13,15 +13,24 @@ whatever its batch-mates are. Without it, calls have as many rows as items. Sinc
 costs a full batch, strict queues open their ``max_delay`` window when the worker becomes free
 (not when the oldest item arrived), so clients answered by one call can fill the next.
 
-Failure isolation: if a call raises, each of its items is re-run alone (same padded shape), so a
-poisoned item fails only itself. An error flagged fatal (``FatalBackendError``, e.g. a sticky
-CUDA error) stops the worker and marks the device dead: every waiting item gets 503 and
-liveness fails so the orchestrator restarts the process.
+Failure classes (``server.backends.failures``): a transient failure (out of memory) fails its
+batch with 503 + Retry-After and is not retried; a deterministic failure is bisected at the same
+padded shape, deadlines rechecked before every retry, until the failing item is alone: it gets
+500, its batch-mates their results (log2(n) extra calls for one poisoned item, not n). A fatal
+failure (``FatalBackendError``, a sticky CUDA error) stops the worker and marks the device dead:
+every waiting item gets 503 and liveness and readiness fail so the orchestrator restarts the
+process; so does a worker thread that dies for any other reason. Exception texts are logged with
+the request id of every item concerned; clients get a message without them.
+
+Admission is a reservation: ``reserve(queue, n)`` takes ``n`` places before a request decodes its
+images, and its ``submit`` calls fill them, so a request admitted at the door is never refused
+later for room that others took meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -30,10 +39,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import BackendFailure, DeadlineExceeded, QueueFull, Unavailable
+from ..errors import BackendFailure, DeadlineExceeded, InferenceFailed, QueueFull, Unavailable
 from ..metrics import Metrics
 
 Rows = dict[str, np.ndarray]
+log = logging.getLogger("softmoe.batcher")
 
 
 class FatalBackendError(RuntimeError):
@@ -48,6 +58,7 @@ class Item:
     enqueued: float  # perf_counter at submit
     deadline: float  # perf_counter after which it must not be computed
     timings: dict[str, float] = field(default_factory=dict)
+    tag: str = "-"  # the request id, for the logs
 
 
 @dataclass
@@ -67,6 +78,7 @@ class ModelQueue:
         self.max_batch_size, self.max_delay_s, self.max_queue, self.pad = max_batch_size, max_delay_s, max_queue, pad
         self.metrics = metrics
         self.items: deque[Item] = deque()
+        self.reserved = 0  # places taken by admitted requests still decoding (see Batcher.reserve)
 
     def _gauge(self) -> None:
         if self.metrics:  # one model's functions (e.g. image and text) share its label: their sum
@@ -109,27 +121,66 @@ class Batcher:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def alive(self) -> bool:
+        """The worker can take work: started, running, not dead."""
+        return self.dead is None and self._thread.is_alive()
+
     def depth(self, queue: ModelQueue | None = None) -> int:
         with self._cond:
             return sum(len(q.items) for q in self.queues if queue is None or q is queue)
 
     # ------------------------------------------------------------------ event-loop side
 
-    def submit(self, queue: ModelQueue, row: Rows, timeout_s: float) -> asyncio.Future:
-        """Queue one item; the returned future resolves to a ``Result`` or raises a ServiceError."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
+    def reserve(self, queue: ModelQueue, n: int) -> None:
+        """Take ``n`` places in ``queue`` for items about to be submitted (429 when they do not fit)."""
         if self.dead:
-            raise Unavailable(f"the {self.device} worker stopped after a fatal error: {self.dead}", retry_after_s=5)
-        now = time.perf_counter()
+            raise Unavailable("the device worker stopped after a fatal error", retry_after_s=5)
         with self._cond:
             if self._stopping:
                 raise Unavailable("the server is shutting down", retry_after_s=2)
-            if len(queue.items) >= queue.max_queue:
+            taken = len(queue.items) + queue.reserved
+            if taken + n > queue.max_queue:
+                if self.metrics:
+                    self.metrics.rejected.labels(queue.label, "queue_full").inc()
+                raise QueueFull(f"model {queue.label!r} cannot queue {n} more items: {taken} of "
+                                f"{queue.max_queue} places taken")
+            queue.reserved += n
+
+    def release(self, queue: ModelQueue, n: int) -> None:
+        """Give back places reserved and not used (the request failed before submitting)."""
+        if n > 0:
+            with self._cond:
+                queue.reserved = max(0, queue.reserved - n)
+
+    def submit(self, queue: ModelQueue, row: Rows, timeout_s: float, *, deadline: float | None = None,
+               reserved: bool = False, tag: str = "-") -> asyncio.Future:
+        """Queue one item; the returned future resolves to a ``Result`` or raises a ServiceError.
+
+        Args:
+            queue: the model function's queue.
+            row: the item's tensors, no batch axis.
+            timeout_s: seconds from now after which the item is not computed (504).
+            deadline: an earlier perf_counter deadline (the request's own), if any.
+            reserved: the item fills a place taken by ``reserve`` (never refused for room).
+            tag: the request id, for the logs.
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if self.dead:
+            raise Unavailable("the device worker stopped after a fatal error", retry_after_s=5)
+        now = time.perf_counter()
+        due = now + timeout_s if deadline is None else min(deadline, now + timeout_s)
+        with self._cond:
+            if self._stopping:
+                raise Unavailable("the server is shutting down", retry_after_s=2)
+            if reserved and queue.reserved > 0:
+                queue.reserved -= 1
+            elif len(queue.items) + queue.reserved >= queue.max_queue:
                 if self.metrics:
                     self.metrics.rejected.labels(queue.label, "queue_full").inc()
                 raise QueueFull(f"model {queue.label!r} has {len(queue.items)} items queued (limit {queue.max_queue})")
-            queue.items.append(Item(row, fut, loop, now, now + timeout_s))
+            queue.items.append(Item(row, fut, loop, now, due, tag=tag))
             queue._gauge()
             self._cond.notify()
         return fut
@@ -161,23 +212,25 @@ class Batcher:
                 return queue, batch
 
     def _run(self) -> None:
-        while True:
-            got = self._next_batch()
-            if got is None:
-                return
-            queue, batch = got
-            live = self._admit(queue, batch)
-            if not live:
-                continue
-            try:
+        live: list[Item] = []
+        try:
+            while True:
+                live = []
+                got = self._next_batch()
+                if got is None:
+                    return
+                queue, batch = got
+                live = self._admit(queue, batch)
+                if not live:
+                    continue
                 self._call(queue, live)
                 self._free_at = time.perf_counter()
-            except FatalBackendError as e:
-                self._die(str(e), live)
-                return
-            except BaseException as e:  # noqa: BLE001 - never leave a future unresolved
-                for item in live:
-                    self._resolve(item, BackendFailure(f"inference failed: {type(e).__name__}: {e}"[:500]))
+        except FatalBackendError as e:
+            log.error("fatal backend error on %s (requests %s): %s", self.device, _tags(live), e)
+            self._die(str(e), live)
+        except BaseException as e:  # noqa: BLE001 - a dead worker must not leave futures or readiness behind
+            log.exception("the %s worker crashed (requests %s)", self.device, _tags(live))
+            self._die(f"worker crashed: {type(e).__name__}", live)
 
     def _admit(self, queue: ModelQueue, batch: list[Item]) -> list[Item]:
         """Drop cancelled items and those past their deadline (they never reach the model)."""
@@ -196,24 +249,42 @@ class Batcher:
         return live
 
     def _call(self, queue: ModelQueue, items: list[Item]) -> None:
+        from ..backends.failures import classify
+
         start = time.perf_counter()
         try:
             if self.before_call is not None:
                 self.before_call(queue, items)
             outputs = self._infer(queue, items)
-            rows = {k: v for k, v in outputs.items()}
-            short = [k for k, v in rows.items() if len(v) < len(items)]
+            short = [k for k, v in outputs.items() if len(v) < len(items)]
             if short:
                 raise RuntimeError(f"backend returned fewer rows than items for {short}")
-            results = [Result({k: v[i] for k, v in rows.items()}, {}) for i in range(len(items))]
-        except FatalBackendError:
-            raise
+            results = [Result({k: v[i] for k, v in outputs.items()}, {}) for i in range(len(items))]
         except Exception as e:  # noqa: BLE001 - a failing batch fails its own requests only
-            if len(items) > 1:
+            kind = classify(e)
+            if kind == "fatal":
+                raise FatalBackendError(f"{type(e).__name__}: {e}"[:500]) from e
+            if kind == "transient":
+                log.warning("transient backend failure on %s (requests %s): %s: %s", queue.name, _tags(items),
+                            type(e).__name__, e)
                 for item in items:
-                    self._call(queue, [item])
+                    self._resolve(item, BackendFailure(f"model {queue.label!r} is temporarily out of resources; "
+                                                       "retry shortly", retry_after_s=2))
                 return
-            self._resolve(items[0], BackendFailure(f"inference failed: {type(e).__name__}: {e}"[:500]))
+            if len(items) == 1:
+                log.error("inference failed on %s for request %s: %s: %s", queue.name, items[0].tag,
+                          type(e).__name__, e)
+                self._resolve(items[0], InferenceFailed(
+                    f"model {queue.label!r} failed on this input; the same input fails again (request id "
+                    f"{items[0].tag} in the server log)"))
+                return
+            # Bisect at the same padded shape: deterministic answers for the batch-mates, log2(n)
+            # calls to isolate one poisoned item. Deadlines and cancellations are rechecked first.
+            live = self._admit(queue, items)
+            half = len(live) // 2
+            for part in (live[:half], live[half:]):
+                if part:
+                    self._call(queue, part)
             return
         elapsed = time.perf_counter() - start
         for item, result in zip(items, results):
@@ -240,14 +311,15 @@ class Batcher:
 
     def _die(self, reason: str, current: list[Item]) -> None:
         with self._cond:
-            self.dead = reason
+            self.dead = reason[:300]
             self._stopping = True
             pending = current + [item for q in self.queues for item in q.items]
             for q in self.queues:
                 q.items.clear()
                 q._gauge()
         for item in pending:
-            self._resolve(item, Unavailable(f"the {self.device} device failed: {reason}", retry_after_s=5))
+            self._resolve(item, Unavailable(f"the {self.device} device failed; this replica is restarting, "
+                                            "retry on another", retry_after_s=5))
 
     @staticmethod
     def _resolve(item: Item, value: Any) -> None:
@@ -263,3 +335,7 @@ class Batcher:
             item.loop.call_soon_threadsafe(settle)
         except RuntimeError:  # the loop is closed (shutdown): nobody is waiting any more
             pass
+
+
+def _tags(items: list[Item]) -> str:
+    return ",".join(sorted({i.tag for i in items})) or "-"

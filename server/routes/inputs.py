@@ -6,19 +6,19 @@ form fields or query parameters (lists as repeated fields, or one JSON array str
 
 from __future__ import annotations
 
-import json
+import asyncio
 from typing import Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
-from starlette.datastructures import UploadFile
+from starlette.requests import ClientDisconnect
 
-from ..errors import BadRequest, Unprocessable, UnsupportedMediaType
+from ..errors import BadRequest, ClientDisconnected, Unprocessable, UnsupportedMediaType
+from ..pipeline.body import MAX_PARTS, inflate, loads, multipart, text_field
 from ..service import decode_b64
 
 M = TypeVar("M", bound=BaseModel)
 LIST_FIELDS = ("labels", "templates", "texts")
-MAX_PARTS = 1024
 
 
 def validation_error(e: ValidationError) -> Unprocessable:
@@ -36,8 +36,8 @@ def _coerce(fields: dict[str, list[str]], model: type[BaseModel]) -> dict[str, A
         if key in LIST_FIELDS:
             if len(values) == 1 and values[0].lstrip().startswith("["):
                 try:
-                    out[key] = json.loads(values[0])
-                except json.JSONDecodeError:
+                    out[key] = loads(values[0].encode())
+                except BadRequest:
                     raise BadRequest(f"{key}: invalid JSON array", param=key) from None
             else:
                 out[key] = values
@@ -46,50 +46,76 @@ def _coerce(fields: dict[str, list[str]], model: type[BaseModel]) -> dict[str, A
     return out
 
 
+async def read_body(request: Request) -> bytes:
+    """The whole body (capped by the observe middleware), inflated off the event loop when encoded."""
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientDisconnected("the client disconnected while sending its body") from None
+    encoding = request.headers.get("content-encoding", "")
+    if encoding.strip().lower() in ("", "identity"):
+        return raw
+    return await asyncio.to_thread(inflate, raw, encoding, request.app.state.settings.max_body_bytes)
+
+
 async def parse(request: Request, model: type[M], image_field: str = "images", images_required: bool = True) -> tuple[M, list[bytes]]:
-    """The validated request fields and the raw image bytes, whatever the body form."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    """The validated request fields and the raw image bytes, whatever the body form.
+
+    JSON decoding, validation, base64 and multipart parsing run in a worker thread: a 16 MiB
+    body never stalls the event loop (health checks, other requests, disconnect detection).
+    """
+    ctype_header = request.headers.get("content-type", "")
+    ctype = ctype_header.split(";")[0].strip().lower()
     query: dict[str, list[str]] = {}
     for k, v in request.query_params.multi_items():
         query.setdefault(k, []).append(v)
+    max_images = request.app.state.settings.max_images_per_request
+    if ctype not in ("application/json", "", "multipart/form-data", "application/octet-stream") \
+            and not ctype.startswith("image/"):
+        raise UnsupportedMediaType(
+            f"content type {ctype!r} is not accepted: use application/json, multipart/form-data or image/*"
+        )
+    body = await read_body(request)
+    if not body:
+        raise BadRequest("empty request body: send JSON, multipart/form-data or image bytes")
     if ctype in ("application/json", ""):
-        if (await request.body()) == b"":
-            raise BadRequest("empty request body: send JSON, multipart/form-data or image bytes")
-        try:
-            payload = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadRequest("request body is not valid JSON") from None
-        if not isinstance(payload, dict):
-            raise Unprocessable("request body must be a JSON object")
-        payload = {**_coerce(query, model), **payload} if query else payload
-        try:
-            req = model.model_validate(payload)
-        except ValidationError as e:
-            raise validation_error(e) from None
-        images = getattr(req, image_field, None) or []
-        return req, [decode_b64(s, f"{image_field}[{i}]") for i, s in enumerate(images)]
+        return await asyncio.to_thread(_from_json, body, query, model, image_field, max_images)
     if ctype == "multipart/form-data":
-        try:
-            form = await request.form(max_files=MAX_PARTS, max_fields=MAX_PARTS)
-        except Exception as e:  # malformed multipart, too many parts
-            raise BadRequest(f"malformed multipart body: {str(e)[:200]}") from None
-        blobs: list[bytes] = []
-        fields = dict(query)
-        for key, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                blobs.append(await value.read())
-            else:
-                fields.setdefault(key, []).append(value)
-        await form.close()
-        return _validate_fields(model, fields, blobs, image_field, images_required), blobs
-    if ctype.startswith("image/") or ctype == "application/octet-stream":
-        body = await request.body()
-        if not body:
-            raise BadRequest("empty request body")
-        return _validate_fields(model, query, [body], image_field, images_required), [body]
-    raise UnsupportedMediaType(
-        f"content type {ctype!r} is not accepted: use application/json, multipart/form-data or image/*"
-    )
+        return await asyncio.to_thread(_from_multipart, body, ctype_header, query, model, image_field,
+                                       images_required, max_images)
+    return _validate_fields(model, query, [body], image_field, images_required), [body]
+
+
+def _from_json(body: bytes, query: dict[str, list[str]], model: type[M], image_field: str,
+               max_images: int) -> tuple[M, list[bytes]]:
+    payload = loads(body)
+    if not isinstance(payload, dict):
+        raise Unprocessable("request body must be a JSON object")
+    payload = {**_coerce(query, model), **payload} if query else payload
+    images = payload.get(image_field)
+    if isinstance(images, list) and len(images) > max_images:  # before validating or decoding any of them
+        raise Unprocessable(f"{len(images)} images in one request; the limit is {max_images}", param=image_field)
+    try:
+        req = model.model_validate(payload)
+    except ValidationError as e:
+        raise validation_error(e) from None
+    images = getattr(req, image_field, None) or []
+    return req, [decode_b64(s, f"{image_field}[{i}]") for i, s in enumerate(images)]
+
+
+def _from_multipart(body: bytes, content_type: str, query: dict[str, list[str]], model: type[M], image_field: str,
+                    images_required: bool, max_images: int) -> tuple[M, list[bytes]]:
+    blobs: list[bytes] = []
+    fields = dict(query)
+    for part in multipart(body, content_type, MAX_PARTS):
+        if part.filename is not None:
+            blobs.append(part.data)
+            if len(blobs) > max_images:
+                raise Unprocessable(f"more than {max_images} images in one request; the limit is {max_images}",
+                                    param=image_field)
+        else:
+            fields.setdefault(part.name, []).append(text_field(part))
+    return _validate_fields(model, fields, blobs, image_field, images_required), blobs
 
 
 def _validate_fields(model: type[M], fields: dict[str, list[str]], blobs: list[bytes], image_field: str, required: bool) -> M:

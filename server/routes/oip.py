@@ -8,23 +8,27 @@ batching and determinism as the /v1 endpoints.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import time
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 
 from softmoe_models import __version__
 
 from ..errors import BadRequest, NotFound, Unavailable, Unprocessable
 from ..schemas import (Health, ModelReadiness, OIPError, OIPInferRequest, OIPInferResponse, OIPModelMetadata,
                        OIPServerMetadata, RepositoryEntry)
+from ..pipeline.body import loads
 from ..service import Timings
-from .inputs import validation_error
+from .inputs import read_body, validation_error
 
 router = APIRouter(tags=["open inference protocol v2"])
-ERRORS = {code: {"model": OIPError} for code in (400, 404, 413, 415, 422, 429, 503, 504)}
+ERRORS = {code: {"model": OIPError} for code in (400, 404, 413, 415, 422, 429, 500, 503, 504)}
 DTYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT32": np.int32, "INT64": np.int64,
           "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64}
 OIP_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
@@ -41,9 +45,9 @@ _INPUTS = {
 def _model(request: Request, name: str, version: str | None = None):
     model = request.app.state.models.get(name)
     if model is None:
-        raise NotFound(f"model {name!r} is not served; served: {sorted(request.app.state.models)}")
+        raise NotFound(f"model {name[:100]!r} is not served; served: {sorted(request.app.state.models)}")
     if version not in (None, "", "1"):
-        raise NotFound(f"model {name!r} has no version {version!r}; it has version '1'")
+        raise NotFound(f"model {name!r} has no version {version[:40]!r}; it has version '1'")
     return model
 
 
@@ -68,14 +72,17 @@ async def live(request: Request):
     batcher = request.app.state.batcher
     if batcher is not None and batcher.dead:
         return JSONResponse({"live": False, "reason": batcher.dead}, status_code=503)
+    if batcher is not None and request.app.state.ready and not batcher.alive and not request.app.state.draining:
+        return JSONResponse({"live": False, "reason": "the device worker is not running"}, status_code=503)
     return JSONResponse({"live": True})
 
 
 @router.get("/v2/health/ready", response_model=Health, responses={503: {"model": Health}},
             summary="Readiness: every model loaded and warmed up, not draining")
 async def ready(request: Request):
-    state = request.app.state
-    ok = state.ready and not state.draining and all(m.ready for m in state.models.values())
+    from ..app import is_ready
+
+    ok = is_ready(request.app.state)
     return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
 
@@ -85,7 +92,9 @@ async def ready(request: Request):
 async def model_metadata(request: Request, model_name: str, version: str | None = None):
     model = _model(request, model_name, version)
     ins, outs = _tensors(model)
-    return {"name": model.name, "versions": ["1"], "platform": f"softmoe_{model.backend.name}", "inputs": ins, "outputs": outs}
+    # parameters: what actually runs (the provider ONNX Runtime really uses, not what was asked for).
+    return {"name": model.name, "versions": ["1"], "platform": f"softmoe_{model.backend.name}", "inputs": ins,
+            "outputs": outs, "parameters": model.backend.describe()}
 
 
 @router.get("/v2/models/{model_name}/ready", response_model=ModelReadiness,
@@ -102,39 +111,81 @@ async def repository_index(request: Request):
                          for m in request.app.state.models.values()])
 
 
+MAX_DIMS = 8
+MAX_DIM = 2**31 - 1
+PIXEL_RANGE = 1e4  # preprocessed pixels sit in [-1, 1] (vmoe) or a few units with mean/std: far inside this
+
+
 def _parse_body(raw: bytes, header_len: str | None) -> tuple[OIPInferRequest, bytes]:
     if header_len is not None:
-        try:
-            n = int(header_len)
-        except ValueError:
-            raise BadRequest(f"invalid {BINARY_HEADER} header") from None
+        text = header_len.strip()
+        if not text.isdigit() or len(text) > 18:
+            raise BadRequest(f"invalid {BINARY_HEADER} header {header_len[:40]!r}: expected a byte count")
+        n = int(text)
         if not 0 < n <= len(raw):
             raise BadRequest(f"{BINARY_HEADER} {n} does not fit a body of {len(raw)} bytes")
         head, binary = raw[:n], raw[n:]
     else:
         head, binary = raw, b""
+    payload = loads(head)
+    if not isinstance(payload, dict):
+        raise Unprocessable("request body must be a JSON object")
     try:
-        payload = json.loads(head)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise BadRequest("request body is not valid JSON") from None
-    try:
-        return OIPInferRequest.model_validate(payload), binary
-    except Exception as e:  # pydantic ValidationError
-        raise validation_error(e) if hasattr(e, "errors") else BadRequest(str(e)) from None
+        req = OIPInferRequest.model_validate(payload)
+    except ValidationError as e:
+        err = validation_error(e)
+        raise BadRequest(err.message, param=err.param) from None  # OIP: a malformed request is 400
+    _check_parameters(req)
+    return req, binary
 
 
-def _array(t, binary: bytes, offset: int) -> tuple[np.ndarray, int]:
+def _flag(params: dict | None, key: str, where: str, default: bool = False) -> bool:
+    value = (params or {}).get(key, default)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{where}.parameters.{key} must be true or false, got {type(value).__name__}",
+                         param=f"{where}.parameters.{key}")
+    return value
+
+
+def _count(params: dict | None, key: str, where: str, lo: int, hi: int) -> int | None:
+    value = (params or {}).get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise BadRequest(f"{where}.parameters.{key} must be an integer in [{lo}, {hi}], got {str(value)[:40]!r}",
+                         param=f"{where}.parameters.{key}")
+    return value
+
+
+def _check_parameters(req: OIPInferRequest) -> None:
+    """Every parameter we read, type-checked up front: 400 naming the field, never a 500."""
+    _flag(req.parameters, "binary_data_output", "request")
+    for i, t in enumerate(req.inputs):
+        where = f"inputs[{i}]"
+        if len(t.shape) > MAX_DIMS or any(not 0 <= d <= MAX_DIM for d in t.shape):
+            raise BadRequest(f"{where} ({t.name!r}): shape {t.shape[:MAX_DIMS + 1]} must have at most {MAX_DIMS} "
+                             f"dimensions, each in [0, {MAX_DIM}]", param=f"{where}.shape")
+        _count(t.parameters, "binary_data_size", where, 0, 2**62)
+    for i, o in enumerate(req.outputs or []):
+        where = f"outputs[{i}]"
+        _flag(o.parameters, "binary_data", where)
+        _count(o.parameters, "classification", where, 0, 1_000_000)
+
+
+def _array(t, binary: bytes, offset: int, limit: int) -> tuple[np.ndarray, int]:
     dtype = DTYPES.get(t.datatype)
     if dtype is None:
         raise BadRequest(f"input {t.name!r}: datatype {t.datatype} is not supported", param=t.name)
-    if any(d < 0 for d in t.shape):
-        raise BadRequest(f"input {t.name!r}: negative dimension in shape {t.shape}", param=t.name)
-    count = int(np.prod(t.shape)) if t.shape else 1
+    count = math.prod(t.shape)  # Python integers: no overflow, whatever the shape
+    nbytes = count * np.dtype(dtype).itemsize
+    if nbytes > limit:
+        raise BadRequest(f"input {t.name!r}: shape {t.shape} declares {nbytes} bytes of {t.datatype}; a request body "
+                         f"holds at most {limit} (max_body_bytes)", param=t.name)
     size = (t.parameters or {}).get("binary_data_size")
     if size is not None:
-        size = int(size)
-        if size != count * np.dtype(dtype).itemsize or offset + size > len(binary):
-            raise BadRequest(f"input {t.name!r}: binary_data_size {size} does not match shape {t.shape}", param=t.name)
+        if size != nbytes or offset + size > len(binary):
+            raise BadRequest(f"input {t.name!r}: binary_data_size {size} does not match shape {t.shape} "
+                             f"({nbytes} bytes) and the {len(binary) - offset} binary bytes left", param=t.name)
         arr = np.frombuffer(binary, dtype=dtype, count=count, offset=offset).reshape(t.shape)
         return arr, offset + size
     if t.data is None:
@@ -148,6 +199,37 @@ def _array(t, binary: bytes, offset: int) -> tuple[np.ndarray, int]:
     return arr.reshape(t.shape), offset
 
 
+def _tensors_in(model, req: OIPInferRequest, binary: bytes, settings) -> list[tuple[str, str, np.ndarray]]:
+    """Every input checked and converted (off the event loop): (function, name, array)."""
+    accepted = _INPUTS.get(model.kind, {})
+    if not req.inputs:
+        raise Unprocessable("no inputs given", param="inputs")
+    out, offset, seen = [], 0, set()
+    for t in req.inputs:
+        if t.name not in accepted or t.name in seen:
+            raise BadRequest(f"unexpected input {t.name!r}; model {model.name!r} takes {sorted(accepted)}", param=t.name)
+        seen.add(t.name)
+        fn, types = accepted[t.name]
+        if t.datatype not in types:
+            raise BadRequest(f"input {t.name!r} must be {' or '.join(types)}, got {t.datatype}", param=t.name)
+        spec = next(s for s in model.backend.functions[fn].inputs if s.name == t.name)
+        if len(t.shape) != 1 + len(spec.shape) or tuple(t.shape[1:]) != spec.shape or t.shape[0] == 0:
+            raise BadRequest(f"input {t.name!r} has shape {list(t.shape)}; expected [N, {', '.join(map(str, spec.shape))}]",
+                             param=t.name)
+        limit = settings.max_texts_per_request if fn == "text" else settings.max_images_per_request
+        if t.shape[0] > limit:
+            raise Unprocessable(f"{t.shape[0]} rows of {t.name} in one request; the limit is {limit}", param=t.name)
+        arr, offset = _array(t, binary, offset, settings.max_body_bytes)
+        if fn == "text":
+            if ((arr < 0) | (arr >= _vocab(model))).any():
+                raise BadRequest(f"input_ids must be in [0, {_vocab(model)})", param=t.name)
+        elif not np.isfinite(arr).all() or np.abs(arr).max() > PIXEL_RANGE:
+            raise BadRequest(f"input {t.name!r} must hold finite values in [-{PIXEL_RANGE:g}, {PIXEL_RANGE:g}] "
+                             "(preprocessed pixels)", param=t.name)
+        out.append((fn, t.name, np.ascontiguousarray(arr, dtype=spec.dtype)))
+    return out
+
+
 @router.post("/v2/models/{model_name}/infer", response_model=OIPInferResponse, responses=ERRORS, summary="Inference (OIP v2)",
              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
                  "schema": {"$ref": "#/components/schemas/OIPInferRequest"}}}}})
@@ -157,49 +239,33 @@ async def infer(request: Request, model_name: str, version: str | None = None):
     model = _model(request, model_name, version)
     if not model.ready:
         raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
-    raw = _decompress(await request.body(), request.headers.get("content-encoding", ""),
-                      request.app.state.settings.max_body_bytes)
-    req, binary = _parse_body(raw, request.headers.get(BINARY_HEADER))
-    accepted = _INPUTS.get(model.kind, {})
-    if not req.inputs:
-        raise Unprocessable("no inputs given", param="inputs")
     svc = request.app.state.service
+    raw = await read_body(request)
+
+    def parse() -> tuple[OIPInferRequest, list[tuple[str, str, np.ndarray]]]:
+        req, binary = _parse_body(raw, request.headers.get(BINARY_HEADER))
+        return req, _tensors_in(model, req, binary, svc.settings)
+
+    req, tensors = await asyncio.to_thread(parse)
     timings = Timings()
     outputs: dict[str, np.ndarray] = {}
-    offset = 0
-    seen = set()
-    for t in req.inputs:
-        if t.name not in accepted or t.name in seen:
-            raise BadRequest(f"unexpected input {t.name!r}; model {model.name!r} takes {sorted(accepted)}", param=t.name)
-        seen.add(t.name)
-        fn, types = accepted[t.name]
-        if t.datatype not in types:
-            raise BadRequest(f"input {t.name!r} must be {' or '.join(types)}, got {t.datatype}", param=t.name)
-        arr, offset = _array(t, binary, offset)
-        spec = next(s for s in model.backend.functions[fn].inputs if s.name == t.name)
-        if arr.ndim != 1 + len(spec.shape) or tuple(arr.shape[1:]) != spec.shape or arr.shape[0] == 0:
-            raise BadRequest(f"input {t.name!r} has shape {list(arr.shape)}; expected [N, {', '.join(map(str, spec.shape))}]", param=t.name)
-        limit = svc.settings.max_texts_per_request if fn == "text" else svc.settings.max_images_per_request
-        svc.check_count(arr.shape[0], limit, f"rows of {t.name}", t.name)
-        if fn == "text" and ((arr < 0).any() or (arr >= _vocab(model)).any()):
-            raise BadRequest(f"input_ids must be in [0, {_vocab(model)})", param=t.name)
-        rows = [{t.name: np.ascontiguousarray(r, dtype=spec.dtype)} for r in arr]
-        results = await svc.run(model, fn, rows, timings, request.receive)
-        for name in model.backend.functions[fn].outputs:
-            outputs[name] = np.stack([r.outputs[name] for r in results]).astype(np.float32)
+    for fn, name, arr in tensors:
+        results = await svc.run(model, fn, [{name: r} for r in arr], timings, request.receive, param=name)
+        for out_name in model.backend.functions[fn].outputs:
+            outputs[out_name] = np.stack([r.outputs[out_name] for r in results]).astype(np.float32)
     wanted = [o.name for o in req.outputs] if req.outputs else list(outputs)
     missing = [n for n in wanted if n not in outputs]
     if missing:
         raise BadRequest(f"requested output(s) {missing} not computed from the given inputs; available {sorted(outputs)}")
     svc.finish(model, "oip_infer", timings, time.perf_counter(), t0)
-    binary_all = bool((req.parameters or {}).get("binary_data_output"))
-    binary_names = {o.name for o in (req.outputs or []) if (o.parameters or {}).get("binary_data", binary_all)}
+    binary_all = _flag(req.parameters, "binary_data_output", "request")
+    binary_names = {o.name for o in (req.outputs or []) if _flag(o.parameters, "binary_data", "outputs", binary_all)}
     if not req.outputs and binary_all:
         binary_names = set(wanted)
     body = {"model_name": model.name, "model_version": "1", "outputs": []}
     if req.id is not None:
         body["id"] = req.id
-    classes = {o.name: int((o.parameters or {}).get("classification") or 0) for o in (req.outputs or [])}
+    classes = {o.name: _count(o.parameters, "classification", "outputs", 0, 1_000_000) or 0 for o in (req.outputs or [])}
     chunks = []
     for name in wanted:
         arr = outputs[name]
@@ -243,24 +309,3 @@ def _classification(arr: np.ndarray, k: int, labels: list[str] | None, binary: b
         return tensor, None
     data = b"".join(len(e).to_bytes(4, "little") + e for e in (s.encode() for s in flat))
     return tensor, data
-
-
-def _decompress(raw: bytes, encoding: str, limit: int) -> bytes:
-    """gzip / deflate request bodies (tritonclient's compression), capped at ``limit`` bytes."""
-    import zlib
-
-    from ..errors import PayloadTooLarge, UnsupportedMediaType
-
-    encoding = encoding.strip().lower()
-    if encoding in ("", "identity"):
-        return raw
-    if encoding not in ("gzip", "deflate"):
-        raise UnsupportedMediaType(f"content-encoding {encoding!r} is not supported (gzip, deflate)")
-    d = zlib.decompressobj(16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS)
-    try:
-        out = d.decompress(raw, limit + 1)
-    except zlib.error:
-        raise BadRequest(f"request body is not valid {encoding} data") from None
-    if len(out) > limit or d.unconsumed_tail:
-        raise PayloadTooLarge(f"decompressed request body exceeds the limit of {limit} bytes")
-    return out

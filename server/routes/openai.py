@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 
@@ -15,7 +16,7 @@ from ..service import Timings, decode_b64
 from .inputs import body_doc, parse
 
 router = APIRouter(tags=["openai"])
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 422, 429, 503)}
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 422, 429, 500, 503, 504)}
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingsResponse, responses=ERRORS,
@@ -32,7 +33,7 @@ async def embeddings(request: Request):
     items = [req.input] if isinstance(req.input, str) else list(req.input)
     svc.check_count(len(items), svc.settings.max_texts_per_request, "inputs", "input")
     is_image = [s.strip()[:11].lower() == "data:image/" for s in items]
-    images = [decode_b64(s, f"input[{i}]") for i, s in enumerate(items) if is_image[i]]
+    images = await asyncio.to_thread(lambda: [decode_b64(s, f"input[{i}]") for i, s in enumerate(items) if is_image[i]])
     texts = [s for s, img in zip(items, is_image) if not img]
     vecs: list[np.ndarray | None] = [None] * len(items)
     if images:

@@ -10,7 +10,7 @@ from ..schemas import (ClassifyRequest, ClassifyResponse, EmbedRequest, EmbedRes
 from .inputs import body_doc, parse
 
 router = APIRouter(tags=["inference"])
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 422, 429, 503, 504)}
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 422, 429, 500, 503, 504)}
 
 
 def _respond(body: dict, timings, model: str) -> JSONResponse:

@@ -249,3 +249,23 @@ def test_rules_dashboard_and_adapter_query_on_a_real_prometheus(tmp_path):
     seen = set(traffic.statuses)
     assert {200, 400, 404, 422, 429} <= seen and not any(s >= 500 for s in seen), traffic.statuses
     assert time.monotonic() - started < 90
+
+
+def test_rejection_rates_exist_per_reason_from_a_fresh_start(tmp_path):
+    """No traffic at all: rate(softmoe_requests_rejected_total[5m]) already has a series (of 0) per
+    reason, so the dashboard's rejected panel reads 0, not "no data"."""
+    from server.app import create_app
+    from server.metrics import REJECT_REASONS
+    from server.settings import Settings
+
+    with live_server(create_app(Settings())) as url:
+        with prometheus(tmp_path, url.removeprefix("http://")) as prom:
+            deadline = time.monotonic() + 30
+            while True:
+                result = query(prom, "sum by (reason) (rate(softmoe_requests_rejected_total[5m]))")["data"]["result"]
+                reasons = {r["metric"]["reason"]: float(r["value"][1]) for r in result}
+                if set(reasons) >= set(REJECT_REASONS) or time.monotonic() > deadline:
+                    break
+                time.sleep(1.0)
+    assert set(reasons) >= set(REJECT_REASONS), reasons
+    assert all(v == 0 for v in reasons.values()), reasons
