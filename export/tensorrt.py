@@ -9,7 +9,15 @@ Flow: package -> fp32 ONNX with batched experts (verified by ``export.onnx``) ->
 optimization profile over the batch dimension, a persistent timing cache, TF32 off for fp32,
 fp16/bf16 flags with the Soft MoE normalisation and softmax layers held in fp32 -> engine cached
 under a key of (weights sha256, TensorRT version, GPU name, compute capability, precision,
-profile) -> verification of the engine against PyTorch at the profile's min and opt batch.
+profile, plus config.json, exporter versions and the ONNX settings) -> verification of the engine
+against ONNX Runtime at the profile's min and opt batch -> only then published.
+
+Cache (``export.cache``): the engines of a package are one entry under ``ROOT/engines`` (ROOT is
+``--cache-dir``/``$SOFTMOE_CACHE_DIR``, else ``~/.cache/softmoe-serve``; never inside the package,
+which is read-only in the images). They are built and verified in a temp dir under the entry's
+file lock and published by one rename; every start checks them against their sha256 and
+rebuilds a corrupt entry. The timing cache, shared by the builds of one TensorRT version and
+compute capability, carries its own sha256 and is replaced atomically (temp file + os.replace).
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +83,7 @@ class EngineKey:
     precision: str
     profile: tuple[int, int, int]
     workspace_bytes: int
+    config_sha256: str = ""  # config.json: labels, preprocessing and text contract end up in the graph's metadata
 
     def digest(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
@@ -105,6 +116,7 @@ def build_engine(
     profile: BatchProfile,
     workspace_bytes: int,
     timing_cache: Path,
+    log=print,
 ) -> bytes:
     """Parse ``onnx_path`` and build a serialized engine.
 
@@ -115,7 +127,9 @@ def build_engine(
         precision: fp32 (TF32 disabled), fp16 or bf16.
         profile: the batch optimization profile.
         workspace_bytes: workspace memory pool limit.
-        timing_cache: loaded if present, written back after the build.
+        timing_cache: loaded if present and its sha256 matches, written back atomically after
+            the build (callers hold the cache entry's lock).
+        log: where progress lines go.
     """
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -143,14 +157,32 @@ def build_engine(
         lo, mid, hi = profile.shapes(shape)
         opt_profile.set_shape(name, lo, mid, hi)
     config.add_optimization_profile(opt_profile)
-    cache = config.create_timing_cache(timing_cache.read_bytes() if timing_cache.is_file() else b"")
+    cache = config.create_timing_cache(read_timing_cache(timing_cache, log))
     config.set_timing_cache(cache, False)
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise ExportError(f"TensorRT failed to build an engine from {onnx_path} (see the log above)")
-    timing_cache.parent.mkdir(parents=True, exist_ok=True)
-    timing_cache.write_bytes(bytes(cache.serialize()))
+    write_timing_cache(timing_cache, bytes(cache.serialize()))
     return bytes(serialized)
+
+
+TIMING_MAGIC = b"softmoe-timing-cache/1 sha256="
+
+
+def read_timing_cache(path: Path, log=print) -> bytes:
+    """The timing cache's bytes, or b"" (a fresh cache) when missing or not matching its sha256."""
+    if not path.is_file():
+        return b""
+    header, _, data = path.read_bytes().partition(b"\n")
+    if header != TIMING_MAGIC + hashlib.sha256(data).hexdigest().encode():
+        log(f"ignoring the timing cache {path}: it does not match its sha256 (it will be rewritten)")
+        return b""
+    return data
+
+
+def write_timing_cache(path: Path, data: bytes) -> None:
+    """``data`` behind a header with its sha256, replacing ``path`` atomically."""
+    _atomic_write(path, TIMING_MAGIC + hashlib.sha256(data).hexdigest().encode() + b"\n" + data)
 
 
 class EngineRunner:
@@ -200,9 +232,20 @@ def export_tensorrt(
 ) -> list[Path]:
     """Build (or reuse from the cache) verified engines for every graph of ``package``.
 
+    Args:
+        package: model package directory.
+        out_dir: the engine cache (default ``default_root() / "engines"``); one entry per key.
+        precision: fp32 (TF32 off), fp16 or bf16.
+        profile: the batch optimization profile.
+        workspace_gib: workspace memory pool limit.
+        log: where progress lines go.
+
+    Returns:
+        The engine files of the published, hash-checked cache entry, one per graph.
+
     Raises:
         MissingExtraError: TensorRT is not installed (checked before any work).
-        ExportError: no GPU, parse/build failure, failed verification.
+        ExportError: no GPU, parse/build failure, failed verification (nothing is published).
     """
     trt = import_tensorrt()
     if precision not in ("fp32", "fp16", "bf16"):
@@ -211,43 +254,70 @@ def export_tensorrt(
     if not package.is_dir():
         raise ExportError(f"model package not found: {package}")
     gpu_name, capability = gpu_identity()
-    from .onnx import _weights_sha, export_onnx, tolerance
     from softmoe_models.package import read_package
 
+    from . import cache
+    from .onnx import DEFAULT_OPSET, export_onnx, tolerance
+
     pkg = read_package(package)
-    weights = _weights_sha(pkg)
-    # One directory per weights: models sharing a cache volume never overwrite each other.
-    cache_dir = (Path(out_dir) if out_dir else package / "engines") / weights[:16]
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    digests = cache.package_digests(package)
+    root = Path(out_dir) if out_dir else cache.default_root() / "engines"
     roles = {"classifier": ["classifier"], "two-tower": ["image", "text"], "encoder": ["encoder"]}[pkg.kind]
     keys = {role: EngineKey(
-        weights_sha256=weights, graph=role, tensorrt_version=trt.__version__, gpu_name=gpu_name,
+        weights_sha256=digests["model.safetensors"], graph=role, tensorrt_version=trt.__version__, gpu_name=gpu_name,
         compute_capability=capability, precision=precision, profile=(profile.min, profile.opt, profile.max),
-        workspace_bytes=int(workspace_gib * 2**30)) for role in roles}
-    paths = {role: cache_dir / key.file_name() for role, key in keys.items()}
-    if all(p.is_file() for p in paths.values()):  # verified when built; no re-export on restart
-        for p in paths.values():
-            log(f"reusing cached engine {p}")
-        return list(paths.values())
-    onnx_files = {f.role: f for f in export_onnx(package, cache_dir / "fp32.onnx", experts="batched",
-                                                 towers="split", log=log)}
-    for role, path in paths.items():
-        exported = onnx_files[role]
-        if not path.is_file():
-            engine = build_engine(trt, exported.path, engine_inputs(exported.path), precision, profile,
-                                  keys[role].workspace_bytes, cache_dir / f"timing-{trt.__version__}-{capability}.cache")
-            _atomic_write(path, engine)
-            _atomic_write(path.with_suffix(".json"), (json.dumps(asdict(keys[role]), indent=1) + "\n").encode())
-            log(f"built {path}")
-        _verify_engine(trt, path, exported.path, profile, precision, tolerance, log)
-    return list(paths.values())
+        workspace_bytes=int(workspace_gib * 2**30), config_sha256=digests["config.json"]) for role in roles}
+    onnx_settings = dict(opset=DEFAULT_OPSET, precision="fp32", experts="batched", towers="split")
+    inputs = {
+        "artifact": "tensorrt",
+        "package": digests,
+        "engines": [asdict(k) for k in keys.values()],
+        "exporter": cache.versions("softmoe-serve", "torch", "onnxscript", "onnx-ir", "onnx"),
+        "onnx": onnx_settings,
+        "runtime": {"name": "tensorrt", "version": trt.__version__},
+        "device": {"gpu": gpu_name, "compute_capability": capability},
+        "verified_with": cache.versions("onnxruntime", "onnxruntime-gpu"),
+    }
+    timing = root / f"timing-{trt.__version__}-{capability}.cache"
+
+    def build(tmp: Path) -> list[str]:
+        work = tmp / "onnx"  # the fp32 graphs the engines come from; not part of the entry
+        exported = {f.role: f for f in export_onnx(package, work / "fp32.onnx", log=log, **onnx_settings)}
+        names = []
+        for role, key in keys.items():
+            onnx_path = exported[role].path
+            engine = tmp / key.file_name()
+            engine.write_bytes(build_engine(trt, onnx_path, engine_inputs(onnx_path), precision, profile,
+                                            key.workspace_bytes, timing, log=log))
+            engine.with_suffix(".json").write_text(json.dumps(asdict(key), indent=1) + "\n")
+            _verify_engine(trt, engine, onnx_path, profile, precision, tolerance, log)  # raises: nothing published
+            log(f"built and verified {engine.name}")
+            names.append(engine.name)
+        shutil.rmtree(work)
+        return names
+
+    entry = cache.build(root, cache.cache_key(inputs), build, inputs=inputs, log=log)
+    engines = [entry.files[name] for name in entry.meta]
+    for path in engines:
+        log(f"{'published' if entry.built else 'reusing cached'} engine {path} (hash-checked)")
+    return engines
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Write then rename: a replica sharing the cache volume never reads a half-written engine."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    """Write a temp file in the same directory, fsync, then rename over ``path``: a replica sharing
+    the volume reads the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide it from replicas running as another user
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def engine_inputs(onnx_path: Path) -> dict[str, tuple[int | str, ...]]:

@@ -236,7 +236,7 @@ def section_zeroshot(quick: bool) -> dict[str, float]:
             s.stop()
 
 
-def section_gpu() -> dict[str, float | str]:
+def section_gpu(quick: bool) -> dict[str, float | str]:
     import torch
 
     if not torch.cuda.is_available():
@@ -244,7 +244,7 @@ def section_gpu() -> dict[str, float | str]:
         return {"gpu": "not available"}
     from loadtests.gpu_bench import run as gpu_run  # pragma: no cover - GPU machines only
 
-    return gpu_run()
+    return gpu_run(quick=quick, budget_s=150.0 if quick else 300.0)
 
 
 GOALS = {  # key: (comparison, target)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         if "serving" not in skip:
             results.update(section_serving(args.quick, Path(tmp)))
         if "gpu" not in skip:
-            results.update(section_gpu())
+            results.update(section_gpu(args.quick))
     print("\ngoals:")
     for key, (op, target) in GOALS.items():
         if key in results:

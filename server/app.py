@@ -216,7 +216,7 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         state.batcher = batcher
         state.service = Service(settings, state.models, batcher, metrics)
         for m in loaded:
-            await asyncio.to_thread(warmup, m, settings)
+            await asyncio.to_thread(warmup, m, settings, log.info)
             m.ready = True
             metrics.model_ready.labels(m.name).set(1)
         batcher.start()

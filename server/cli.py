@@ -1,67 +1,129 @@
-"""``softmoe serve``: every flag is also a SOFTMOE_* environment variable (flags win)."""
+"""``softmoe serve``: the flags are generated from :class:`server.settings.Settings`.
+
+pydantic-settings' own command-line source (``CliSettingsSource``) adds one argument per
+Settings field to the ``serve`` subparser and parses them back, so a new field is a new flag
+with nothing to keep in step: ``--kebab-case`` names, ``--x/--no-x`` for booleans, the choices
+of ``Literal`` fields, ``--models`` repeatable (``--model`` is the same list). The help of each
+flag names its environment variable. Precedence: flag > ``SOFTMOE_*`` environment variable >
+default.
+
+Every start-up error (a setting, a model, the device, the port) prints one line ``error: ...``
+on stderr and exits with status 2; the traceback is logged at debug level only.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
 from .settings import Settings
 
-FLAGS = {  # flag -> (settings field, argparse kwargs)
-    "--model": ("models", dict(action="append", metavar="[NAME=]PKG", help="package dir or exported .onnx; repeatable")),
-    "--backend": ("backend", dict(choices=["torch", "onnxruntime", "tensorrt"])),
-    "--device": ("device", dict(choices=["cpu", "cuda"])),
-    "--precision": ("precision", dict(choices=["fp32", "fp16", "bf16"])),
-    "--host": ("host", dict()),
-    "--port": ("port", dict(type=int)),
-    "--max-batch-size": ("max_batch_size", dict(type=int)),
-    "--max-delay-ms": ("max_delay_ms", dict(type=float)),
-    "--max-queue": ("max_queue", dict(type=int)),
-    "--max-in-flight": ("max_in_flight", dict(type=int)),
-    "--strict-determinism": ("strict_determinism", dict(action=argparse.BooleanOptionalAction)),
-    "--threads": ("threads", dict(type=int)),
-    "--decode-workers": ("decode_workers", dict(type=int)),
-    "--request-timeout-s": ("request_timeout_s", dict(type=float)),
-    "--max-body-bytes": ("max_body_bytes", dict(type=int)),
-    "--max-images-per-request": ("max_images_per_request", dict(type=int)),
-    "--max-texts-per-request": ("max_texts_per_request", dict(type=int)),
-    "--max-image-pixels": ("max_image_pixels", dict(type=int)),
-    "--label-cache-size": ("label_cache_size", dict(type=int)),
-    "--cache-dir": ("cache_dir", dict()),
-    "--drain-seconds": ("drain_seconds", dict(type=float)),
-    "--warmup": ("warmup", dict(action=argparse.BooleanOptionalAction)),
-    "--log-level": ("log_level", dict()),
-}
+ENV_PREFIX = str(Settings.model_config.get("env_prefix") or "")
+MODEL_METAVAR = "[NAME=]PKG"
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of a Settings field: ``max_batch_size`` -> ``--max-batch-size``."""
+    return "--" + field.replace("_", "-")
+
+
+def env_of(field: str) -> str:
+    """The environment variable of a Settings field: ``port`` -> ``SOFTMOE_PORT``."""
+    return (ENV_PREFIX + field).upper()
+
+
+def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs) -> argparse.Action:
+    """pydantic-settings' ``add_argument``, plus the field's environment variable in its help."""
+    field = kwargs.get("dest")
+    if field in Settings.model_fields:
+        help_text = kwargs.get("help") or ""
+        if field == "models":
+            kwargs["metavar"] = MODEL_METAVAR
+            help_text = help_text.replace("(default factory: list)", "(repeatable; also --model)")
+        kwargs["help"] = f"{help_text} [env {env_of(field)}]".strip()
+    return parser.add_argument(*names, **kwargs)
+
+
+def settings_source(parser: argparse.ArgumentParser):
+    """Add every Settings field to ``parser``; returns the source that reads them back."""
+    from pydantic_settings import CliSettingsSource
+
+    return CliSettingsSource(
+        Settings, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True,
+        add_argument_method=_add_argument,
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    given = {field: getattr(args, field) for field, _ in FLAGS.values() if getattr(args, field, None) is not None}
-    return Settings(**given)
+    """Settings from parsed ``softmoe serve`` arguments, then the environment, then defaults.
+
+    Raises:
+        pydantic.ValidationError, pydantic_settings.SettingsError: a value is invalid.
+    """
+    return Settings(_cli_settings_source=args.settings_source(parsed_args=args))
+
+
+def describe_settings_error(error: Exception, args: argparse.Namespace) -> str:
+    """One line naming the flag (or the environment variable it came from) of each bad value."""
+    from pydantic import ValidationError
+
+    if not isinstance(error, ValidationError):  # a SettingsError: a value pydantic-settings cannot decode
+        text = str(error)
+        env_field = re.search(r'field "(\w+)" from source "EnvSettingsSource"', text)
+        if env_field:
+            return f"{env_of(env_field[1])}: cannot parse the value (this field takes JSON, e.g. a list as [\"a\", \"b\"])"
+        cli_field = re.match(r"Parsing error encountered for (\w+): (.*)", text, re.S)
+        if cli_field:
+            return one_line(f"{flag_of(cli_field[1])}: {cli_field[2]}")
+        return one_line(text)
+    given = {k for k, v in vars(args).items() if v is not None}
+    env = {k.upper() for k in os.environ}
+    parts = []
+    for err in error.errors():
+        loc = [str(p) for p in err.get("loc", ())]
+        field = loc[0] if loc else ""
+        where = env_of(field) if field not in given and env_of(field) in env else flag_of(field)
+        if len(loc) > 1:
+            where += "[" + ".".join(loc[1:]) + "]"
+        parts.append(f"{where}: {err['msg']}")
+    return one_line("; ".join(parts))
+
+
+def one_line(message: str) -> str:
+    return "; ".join(line.strip() for line in message.splitlines() if line.strip()) or "unknown error"
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
-    from .registry import ModelLoadError
-    from .run import serve
+    from .run import StartupError, serve
 
     try:
         settings = settings_from_args(args)
-    except ValidationError as e:
-        err = e.errors()[0]
-        print(f"error: {'.'.join(map(str, err['loc']))}: {err['msg']}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except (ValidationError, SettingsError) as e:
+        _fail(describe_settings_error(e, args))
     try:
         serve(settings)
-    except ModelLoadError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    except StartupError as e:
+        _fail(one_line(str(e)))
+    except KeyboardInterrupt:  # Ctrl-C while loading: no traceback
+        raise SystemExit(130) from None
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="serve models over HTTP (see README for the endpoints)")
-    for flag, (field, kwargs) in FLAGS.items():
-        desc = Settings.model_fields[field].description or ""
-        env = f"SOFTMOE_{field.upper()}"
-        p.add_argument(flag, dest=field, default=None, **{"help": f"{kwargs.pop('help', desc)} [env {env}]", **kwargs})
-    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser(
+        "serve", help="serve models over HTTP (see README for the endpoints)",
+        description="Serve models over HTTP. Every flag is also a SOFTMOE_* environment variable; flags win.",
+    )
+    source = settings_source(p)
+    p.add_argument("--model", dest="models", action="append", default=argparse.SUPPRESS, metavar=MODEL_METAVAR,
+                   help=f"same as --models [env {env_of('models')}]")
+    p.set_defaults(func=cmd_serve, settings_source=source)

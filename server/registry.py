@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import base64
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from softmoe_models.package import read_package
 from softmoe_models.preprocess import PreprocessConfig
@@ -40,6 +41,7 @@ class ServedModel:
     templates: list[str] = field(default_factory=lambda: list(DEFAULT_TEMPLATES))
     vocab_size: int | None = None
     queues: dict[str, ModelQueue] = field(default_factory=dict)
+    proven_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # strict mode, per function
     ready: bool = False
 
     def can(self, fn: str) -> bool:
@@ -90,20 +92,24 @@ def _scale_bias(package: Path) -> tuple[float, float]:
 
 
 def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
+    from .backends.cuda import resolve_precision
+
+    precision = resolve_precision(settings.backend, settings.device, settings.precision)
     if settings.backend == "torch":
         from .backends.torch_backend import TorchBackend
 
-        return TorchBackend(path, device=settings.device, precision=settings.precision,
-                            max_batch_size=settings.max_batch_size, threads=settings.threads)
+        return TorchBackend(path, device=settings.device, precision=precision,
+                            max_batch_size=settings.max_batch_size, threads=settings.threads,
+                            cuda_graphs=settings.cuda_graphs, pinned_staging=settings.pinned_staging)
     if settings.backend == "onnxruntime":
         from .backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
 
-        files = exported_files(path, settings.cache_dir, settings.precision, log=log)
+        files = exported_files(path, settings.cache_dir, precision, log=log, device=settings.device)
         return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
-                                  threads=settings.threads)
+                                  threads=settings.threads, cuda_graph=settings.ort_cuda_graph)
     from .backends.tensorrt_backend import TensorRTBackend
 
-    return TensorRTBackend(path, precision=settings.precision, max_batch_size=settings.max_batch_size,
+    return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
                            cache_dir=settings.cache_dir)
 
 
@@ -128,7 +134,8 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
     elif meta["graph"] in ("image", "text"):
         stem = path.name[: -len(f".{meta['graph']}.onnx")]
         files = [p for p in (path.with_name(f"{stem}.image.onnx"), path.with_name(f"{stem}.text.onnx")) if p.is_file()]
-    backend = OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size, threads=settings.threads)
+    backend = OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
+                                 threads=settings.threads, cuda_graph=settings.ort_cuda_graph)
     pkg_meta = meta.get("package_config") or {}
     model = ServedModel(
         name=name, kind=meta["kind"], source=str(path), backend=backend,
@@ -139,10 +146,8 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
     if meta["kind"] == "two-tower":
         model.vocab_size = int(pkg_meta["model"]["text"]["vocab_size"])
     text_meta = next((m for m in backend.metadata.values() if "tokenizer_b64" in m), None)
-    if text_meta is not None:
-        tok = Path(tempfile.mkdtemp(prefix="softmoe-tok-")) / "tokenizer.model"
-        tok.write_bytes(base64.b64decode(text_meta["tokenizer_b64"]))
-        model.tokenizer = Tokenizer.from_contract(tok, model.text_contract)
+    if text_meta is not None:  # loaded from the bytes: no file, no temp dir left behind
+        model.tokenizer = Tokenizer.from_contract(base64.b64decode(text_meta["tokenizer_b64"]), model.text_contract)
     scale_meta = next((m for m in backend.metadata.values() if "logit_scale" in m), None)
     if scale_meta is not None:
         model.logit_scale, model.logit_bias = float(scale_meta["logit_scale"]), float(scale_meta["logit_bias"])
@@ -162,9 +167,72 @@ def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metr
         ))
 
 
-def warmup(model: ServedModel, settings: Settings) -> None:
-    """Every batch shape the server will run: the fixed one (strict) or 1..max (loose)."""
+def warmup(model: ServedModel, settings: Settings, log=print) -> None:
+    """Every batch shape the server will run: the proven padded shapes (strict) or 1..max (loose)."""
     if not settings.warmup:
         return
-    sizes = [settings.max_batch_size] if settings.strict_determinism else sorted({1, 2, settings.max_batch_size})
-    model.backend.warmup(sizes)
+    if settings.strict_determinism:
+        model.backend.warmup([settings.max_batch_size])
+        if settings.proven_shapes:
+            prove_shapes(model, settings.max_batch_size, log)
+        return
+    model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
+
+
+def candidate_shapes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... below ``max_batch_size``: the smaller padded shapes worth proving."""
+    out, s = [], 1
+    while s < max_batch_size:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def prove_shapes(model: ServedModel, max_batch_size: int, log=print, seed: int = 0) -> dict[str, tuple[int, ...]]:
+    """Prove, on this machine and backend, which smaller padded shapes are bitwise equal to the maximal one.
+
+    For each model function: ``max_batch_size`` random rows are run at the maximal shape (the
+    reference); then, for each candidate shape ``s``, the same rows in consecutive calls of ``s``
+    rows (the last one zero-padded as the batcher pads), so every slot position of ``s`` carries a
+    different random row. ``s`` is proven when every row's every output is bitwise equal to the
+    reference row. Unproven shapes are never used; the queue falls back to the maximal shape.
+    This also warms every shape it proves.
+    """
+    rng = np.random.default_rng(seed)
+    proven: dict[str, tuple[int, ...]] = {}
+    for fn, spec in model.backend.functions.items():
+        rows = {}
+        for s in spec.inputs:
+            shape = (max_batch_size, *s.shape)
+            if np.issubdtype(s.dtype, np.integer):
+                rows[s.name] = rng.integers(0, model.vocab_size or 2, shape).astype(s.dtype)
+            else:
+                rows[s.name] = rng.uniform(-1, 1, shape).astype(s.dtype)
+        reference = model.backend.run(fn, rows)
+        good = []
+        for size in candidate_shapes(max_batch_size):
+            same = True
+            for start in range(0, max_batch_size, size):
+                chunk = {}
+                for name, arr in rows.items():
+                    part = np.zeros((size, *arr.shape[1:]), dtype=arr.dtype)
+                    got = arr[start:start + size]
+                    part[:len(got)] = got
+                    chunk[name] = part
+                out = model.backend.run(fn, chunk)
+                n = min(size, max_batch_size - start)
+                if any(not np.array_equal(out[k][:n], reference[k][start:start + n]) for k in reference):
+                    same = False
+                    break
+            if same:
+                good.append(size)
+        shapes = tuple(good) + (max_batch_size,)
+        proven[fn] = shapes
+        queue = model.queues.get(fn)
+        if queue is not None:
+            queue.shapes = shapes
+        rejected = sorted(set(candidate_shapes(max_batch_size)) - set(good))
+        log(f"{model.name}/{fn}: padded shapes proven bitwise equal to {max_batch_size}: {list(shapes)}"
+            + (f"; not used (outputs differ): {rejected}" if rejected else ""))
+    model.proven_shapes = proven
+    return proven

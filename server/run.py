@@ -1,23 +1,47 @@
-"""Run the app under uvicorn with a graceful drain on SIGTERM/SIGINT.
+"""Start the server: bind, load, warm up, then serve under uvicorn with a graceful drain.
 
-On the signal: readiness turns false and new requests get 503 (Retry-After) for
+Start-up happens before uvicorn takes over, in this order, and any failure is a
+:class:`StartupError` (one line for the user; the traceback is logged at debug level):
+
+1. bind the port (``--port`` in use fails here, before minutes of loading);
+2. check the backend and device can run at all (onnxruntime installed, a CUDA device, ...);
+3. load every model (:func:`server.registry.load_served_model`);
+4. the app's lifespan (queues, batcher, warm-up of every batch shape), entered here rather than
+   by uvicorn, so a failure there is ours to report and not a uvicorn traceback with exit 3.
+
+On SIGTERM/SIGINT: readiness turns false and new requests get 503 (Retry-After) for
 ``drain_seconds`` (so load balancers and Kubernetes endpoints stop sending), then uvicorn stops
 accepting, finishes the requests in flight (the batcher drains its queue), and the process exits.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import signal
+import socket
 import threading
 from types import FrameType
 
 import uvicorn
 
-from .app import create_app
+from export.errors import ExportError
+from softmoe_models.convert import ConversionError
+from softmoe_models.package import PackageError
+
+from .app import create_app, default_model_specs
+from .registry import ModelLoadError, ServedModel, load_served_model
 from .settings import Settings
 
 log = logging.getLogger("softmoe.server")
+
+# Exceptions whose message is already written for the user; others are prefixed with their type.
+_PLAIN = (ModelLoadError, PackageError, ConversionError, ExportError)
+
+
+class StartupError(Exception):
+    """The server cannot start: a setting, a model, the backend, the device or the port."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -47,9 +71,152 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def describe(error: BaseException) -> str:
+    """A one-line description of an exception for the ``error: ...`` line."""
+    if isinstance(error, _PLAIN):
+        text = str(error)
+    else:
+        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (not yet listen on) ``host:port``; uvicorn listens once the models are ready.
+
+    Raises:
+        StartupError: the address cannot be resolved or the port is taken.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise StartupError(f"--host {host}: cannot resolve the address ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def check_backend(settings: Settings) -> None:
+    """Fail fast, before any export or load, when the backend or the device cannot run here.
+
+    Raises:
+        StartupError: naming what is missing (the extra to install, or the device).
+    """
+    if settings.backend == "onnxruntime":
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            hint = "softmoe-serve[gpu]" if settings.device == "cuda" else "softmoe-serve[cpu]"
+            raise StartupError(f"--backend onnxruntime needs onnxruntime: pip install '{hint}'") from None
+        if settings.device == "cuda":
+            providers = ort.get_available_providers()
+            if not {"CUDAExecutionProvider", "TensorrtExecutionProvider"} & set(providers):
+                raise StartupError(
+                    "--backend onnxruntime --device cuda needs onnxruntime-gpu (pip install 'softmoe-serve[gpu]'); "
+                    f"the installed onnxruntime {ort.__version__} has only {', '.join(providers)}"
+                )
+    elif settings.backend == "tensorrt":
+        from export.tensorrt import import_tensorrt
+
+        try:
+            import_tensorrt()
+        except Exception as e:  # MissingExtraError names the extra
+            raise StartupError(f"--backend tensorrt: {describe(e)}") from None
+    if settings.backend == "tensorrt" or (settings.backend == "torch" and settings.device == "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise StartupError(
+                f"--backend {settings.backend} needs a CUDA device, and torch {torch.__version__} sees none "
+                f"({'a CPU-only build' if torch.version.cuda is None else f'built for CUDA {torch.version.cuda}'})"
+            )
+
+
+def load_models(settings: Settings) -> list[ServedModel]:
+    """Every configured model (or the built-in defaults), loaded; closes them all on failure.
+
+    Raises:
+        StartupError: naming the model spec and what went wrong.
+    """
+    try:
+        specs = settings.models or default_model_specs(settings)
+    except Exception as e:
+        log.debug("default models", exc_info=True)
+        raise StartupError(f"default models: {describe(e)}") from None
+    loaded: list[ServedModel] = []
+    try:
+        for spec in specs:
+            try:
+                loaded.append(load_served_model(spec, settings, log.info))
+            except Exception as e:
+                log.debug("loading %s failed", spec, exc_info=True)
+                text = describe(e)
+                raise StartupError(text if isinstance(e, ModelLoadError) else f"cannot load model {spec}: {text}") from None
+        names = [m.name for m in loaded]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise StartupError(f"two models share the name {', '.join(dupes)}; name them with --model NAME=PKG")
+    except BaseException:
+        for m in loaded:
+            with contextlib.suppress(Exception):
+                m.backend.close()
+        raise
+    return loaded
+
+
+async def _serve(server: DrainingServer, sock: socket.socket) -> None:
+    """Enter the app's lifespan (warm-up, queues, batcher), then serve until a signal."""
+    app = server.config.app
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        except Exception as e:
+            log.debug("start-up failed", exc_info=True)
+            raise StartupError(f"start-up failed: {describe(e)}") from None
+        host, port = sock.getsockname()[:2]
+        log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+        await server.serve(sockets=[sock])
+
+
+def _prepare(settings: Settings) -> DrainingServer:
+    """Check the backend, load the models and build the app and the uvicorn server."""
+    try:
+        check_backend(settings)
+        models = load_models(settings)
+        app = create_app(settings, models=models)
+        # lifespan="off": _serve enters the app's lifespan itself, before uvicorn starts.
+        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                                timeout_graceful_shutdown=max(30, settings.request_timeout_s + 5), access_log=False,
+                                lifespan="off")
+        return DrainingServer(config, settings.drain_seconds)
+    except StartupError:
+        raise
+    except Exception as e:  # e.g. a broken optional install (an ImportError inside onnxruntime)
+        log.debug("start-up failed", exc_info=True)
+        raise StartupError(f"start-up failed: {describe(e)}") from None
+
+
 def serve(settings: Settings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=max(30, settings.request_timeout_s + 5), access_log=False)
-    DrainingServer(config, settings.drain_seconds).run()
+    """Run the server until SIGTERM/SIGINT.
+
+    Raises:
+        StartupError: the server could not start (nothing was served).
+    """
+    levels = list(uvicorn.config.LOG_LEVELS)
+    if settings.log_level.lower() not in levels:
+        raise StartupError(f"--log-level {settings.log_level}: expected one of {', '.join(levels)}")
+    logging.basicConfig(level=uvicorn.config.LOG_LEVELS[settings.log_level.lower()],
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = bind_socket(settings.host, settings.port)
+    try:
+        asyncio.run(_serve(_prepare(settings), sock))
+    finally:
+        sock.close()

@@ -21,30 +21,65 @@ class Settings(BaseSettings):
     )
     backend: Literal["torch", "onnxruntime", "tensorrt"] = Field("torch", description="inference backend")
     device: Literal["cpu", "cuda"] = Field("cpu", description="device the backend runs on")
-    precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="compute precision")
+    precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto",
+        description="compute precision; auto: fp32 on cpu; on cuda bf16 (torch, GPUs with native bf16) or fp16 "
+        "(older GPUs, onnxruntime, tensorrt); LayerNorm, softmax and the Soft MoE norm stay fp32",
+    )
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
     max_batch_size: int = Field(8, ge=1, le=1024, description="images (or texts) per backend call")
     max_delay_ms: float = Field(5.0, ge=0, le=10_000, description="how long a batch waits to fill")
     max_queue: int = Field(256, ge=1, description="queued items per model before requests get 429")
     max_in_flight: int = Field(128, ge=1, description="concurrent HTTP requests before new ones get 429 at the door")
+    max_in_flight_bytes: int = Field(
+        256 << 20, ge=1024,
+        description="request body bytes reserved by the requests in flight (declared length at the door, "
+        "counted as chunked bodies arrive); a request that does not fit gets 429",
+    )
     strict_determinism: bool = Field(
         True,
         description="run every batch at one fixed padded shape so an item's outputs are bitwise "
         "independent of its batch-mates and of load",
     )
+    proven_shapes: bool = Field(
+        True,
+        description="strict mode: at start-up, prove which padded shapes 1, 2, 4, ... below max_batch_size give "
+        "bitwise the outputs of max_batch_size on this machine and backend, and run each batch at the smallest "
+        "proven shape that holds it (no full padding at low load)",
+    )
     threads: int = Field(0, ge=0, description="intra-op threads of the backend (0: the CPUs available)")
     decode_workers: int = Field(2, ge=1, description="threads decoding and preprocessing images")
-    request_timeout_s: float = Field(30.0, gt=0, description="deadline of a request in the queue")
+    request_timeout_s: float = Field(30.0, gt=0, description="deadline of a whole request: parsing, decoding and the queue (504 past it)")
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body (413 above)")
     max_images_per_request: int = Field(64, ge=1, description="images in one request (422 above)")
     max_texts_per_request: int = Field(256, ge=1, description="texts or labels in one request (422 above)")
     max_text_chars: int = Field(1000, ge=1, description="characters in one text (422 above)")
-    max_image_pixels: int = Field(40_000_000, ge=1, description="decoded pixels per image (413 above)")
+    max_image_pixels: int = Field(
+        16_777_216, ge=1,
+        description="pixels one image may decode to (4096x4096; read from the file's header, 413 before decoding)",
+    )
+    max_request_pixels: int = Field(
+        33_554_432, ge=1,
+        description="pixels all images of one request may decode to together (413 before decoding)",
+    )
+    max_text_rows_per_request: int = Field(
+        1024, ge=1,
+        description="text rows one zero-shot request may run through the text tower (labels x templates; 422 above)",
+    )
     label_cache_size: int = Field(4096, ge=0, description="zero-shot label embeddings kept (LRU)")
     cache_dir: str = Field("", description="where exported ONNX files are cached (default: ~/.cache/softmoe-serve)")
     drain_seconds: float = Field(2.0, ge=0, description="after SIGTERM: not-ready time before closing")
     warmup: bool = Field(True, description="run every batch shape once before reporting ready")
+    cuda_graphs: bool = Field(
+        True, description="torch on cuda: capture one CUDA graph per padded batch shape at warm-up and replay it",
+    )
+    pinned_staging: bool = Field(
+        True, description="torch on cuda: stage inputs and outputs in pinned host buffers, async copies on the backend's own stream",
+    )
+    ort_cuda_graph: bool = Field(
+        False, description="onnxruntime on cuda: CUDA-graph mode with I/O binding, every batch padded to max_batch_size",
+    )
     log_level: str = Field("info", description="uvicorn log level")
 
     @field_validator("models", mode="before")

@@ -12,12 +12,21 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from .config import TEXT_POOLS
+
 # Modules that add subcommands: each has ``add_commands(subparsers)``.
 COMMAND_MODULES = ("softmoe_models.cli", "export.cli", "server.cli")
 
 
 class CLIError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line too: ``error: ...``, exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
 
 
 def _parse_size(text: str) -> float:
@@ -67,7 +76,8 @@ def cmd_convert(args: argparse.Namespace) -> None:
     if args.tokenizer and not Path(args.tokenizer).is_file():
         raise CLIError(f"tokenizer file not found: {args.tokenizer}")
     pkg, notices = convert_checkpoint(
-        args.src, args.out, labels=labels, tokenizer=args.tokenizer, head_activation=args.head_activation
+        args.src, args.out, labels=labels, tokenizer=args.tokenizer, head_activation=args.head_activation,
+        text_pool=args.text_pool,
     )
     for notice in notices:
         print(f"note: {notice}", file=sys.stderr)
@@ -149,6 +159,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", help="class names: a JSON list or one name per line")
     p.add_argument("--tokenizer", help="SentencePiece .model of the text tower (two-tower)")
     p.add_argument("--head-activation", choices=["softmax", "sigmoid"], help="classifier scores (default softmax)")
+    p.add_argument("--text-pool", choices=TEXT_POOLS,
+                   help="two-tower text pooling, the vmoe TextTransformer pool_type of the training config "
+                        "('last' when it does not set it); required unless the parameters show it (map)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("init", help="write a randomly initialised package of a variant")
@@ -173,7 +186,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="softmoe", description="Soft MoE model conversion, export and serving")
+    parser = Parser(prog="softmoe", description="Soft MoE model conversion, export and serving")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMAND_MODULES:
         try:

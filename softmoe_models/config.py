@@ -6,12 +6,16 @@ vmoe's Soft MoE settings: MoE in the last half of the blocks, one slot per exper
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 Classifier = Literal["gap", "token", "map"]
-TextPool = Literal["last", "first", "gap"]
+# vmoe contrastive TextTransformer.pool_type: the last or first position, the mean (global average),
+# the max (global max) over positions, or a MAP head (the only one with parameters, txt/MapHead/*).
+TextPool = Literal["last", "first", "gap", "gmp", "map"]
+TEXT_POOLS: tuple[str, ...] = get_args(TextPool)
 
 
 @dataclass(frozen=True)
@@ -22,9 +26,8 @@ class MoEConfig:
     num_experts: int  # n
     slots_per_expert: int = 1  # p
     mlp_dim: int | None = None  # expert hidden width; None = the encoder's mlp_dim
-    # vmoe's routing group size (tokens). Routing here is always per sequence; this records
-    # the training value so a mismatch with the served resolution can be reported.
-    group_size: int | None = None
+    # Routing groups: always one sequence (vmoe's Soft MoE configs set group_size to the tokens
+    # of one image, so its groups are images). Old configs' group_size: see _drop_group_sizes.
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,12 @@ class TextConfig:
     vocab_size: int = 32000
     max_len: int = 16  # L: sequences are padded/truncated to exactly this length
     num_classes: int | None = None  # head output width (the image width); None: no head
-    pool_type: TextPool = "last"
+    pool_type: TextPool = "last"  # vmoe's default; converters must not assume it (no parameters show it)
+    map_mlp_dim: int | None = None  # MAP head MLP width (pool_type 'map'); None = encoder mlp_dim
+
+    def __post_init__(self) -> None:
+        if self.pool_type not in TEXT_POOLS:
+            raise ValueError(f"TextConfig.pool_type {self.pool_type!r} is not one of {list(TEXT_POOLS)}")
 
 
 @dataclass(frozen=True)
@@ -172,8 +180,54 @@ def from_dict(kind: str, data: dict[str, Any]) -> ModelConfig:
     """Inverse of ``to_dict`` for a package of the given kind."""
     for cls, name in _KINDS.items():
         if name == kind:
-            return _build(cls, data)
+            data, group_sizes = _drop_group_sizes(data)
+            cfg = _build(cls, data)
+            _check_group_sizes(cfg, group_sizes)
+            return cfg
     raise ValueError(f"unknown model kind {kind!r}; expected one of {sorted(_KINDS.values())}")
+
+
+def _drop_group_sizes(data: Any) -> tuple[Any, dict[tuple[str, ...], Any]]:
+    """Remove ``moe.group_size`` (configs written before it was dropped) from a copy of ``data``.
+
+    Returns:
+        The cleaned copy and, per path of the config that owns the encoder (``()`` for a
+        classifier, ``("image",)`` / ``("text",)`` in a two-tower), the group size it held.
+    """
+    found: dict[tuple[str, ...], Any] = {}
+    data = copy.deepcopy(data)
+
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if not isinstance(node, dict):
+            return
+        moe = node.get("moe") if path[-1:] == ("encoder",) else None
+        if isinstance(moe, dict) and "group_size" in moe:
+            found[path[:-1]] = moe.pop("group_size")
+        for key, value in node.items():
+            walk(value, (*path, key))
+
+    walk(data, ())
+    return data, found
+
+
+def _check_group_sizes(cfg: ModelConfig, group_sizes: dict[tuple[str, ...], Any]) -> None:
+    """The rule for an old ``group_size``: accepted and dropped when it is null or one sequence.
+
+    That is what every converter and variant wrote (vmoe's Soft MoE configs use the tokens of one
+    image). Any other value means vmoe routed groups that straddle sequences, which this port does
+    not reproduce, so such a config is refused rather than served with different routing.
+    """
+    for path, size in group_sizes.items():
+        owner: Any = cfg
+        for name in path:
+            owner = getattr(owner, name)
+        seq = owner.num_tokens if isinstance(owner, ViTConfig) else getattr(owner, "max_len", None)
+        if size is not None and size != seq:
+            where = ".".join((*path, "encoder", "moe", "group_size"))
+            raise ValueError(
+                f"{where} = {size} differs from the sequence length {seq}: vmoe would route groups that "
+                "straddle sequences; this port routes one sequence per group"
+            )
 
 
 # ---------------------------------------------------------------- the size table
@@ -204,12 +258,10 @@ class Variant:
         d, layers, m, h = _WIDTHS[self.width]
         moe = None
         if self.num_experts:
-            grid = image_size // self.patch_size
             moe = MoEConfig(
                 layers=tuple(range(layers))[-self.moe_last_n :],
                 num_experts=self.num_experts,
                 slots_per_expert=1,
-                group_size=grid * grid,
             )
         enc = EncoderConfig(d, layers, h, m, qk_norm=True, moe=moe)
         return ViTConfig(enc, image_size=image_size, patch_size=self.patch_size, num_classes=num_classes)

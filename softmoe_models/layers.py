@@ -15,8 +15,20 @@ from .config import EncoderConfig
 LN_EPS = 1e-6
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that normalises in float32 whatever the input dtype, then returns the
+    input dtype: fp16/bf16 models keep fp32 statistics. Float32 inputs take the parent's path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        w = None if self.weight is None else self.weight.float()
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, w, b, self.eps).to(x.dtype)
+
+
 def layer_norm(dim: int, bias: bool = True) -> nn.LayerNorm:
-    return nn.LayerNorm(dim, eps=LN_EPS, bias=bias)
+    return LayerNorm(dim, eps=LN_EPS, bias=bias)
 
 
 class Mlp(nn.Module):

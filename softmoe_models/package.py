@@ -162,22 +162,45 @@ def read_package(path: str | Path) -> Package:
     return Package(path, meta["kind"], cfg, pre, meta, labels, meta.get("text") or {})
 
 
-def load_weights(pkg: Package, model: nn.Module) -> None:
-    """Load ``model.safetensors`` into ``model`` after checking every key and shape."""
-    from safetensors import SafetensorError
+def load_weights(pkg: Package, model: nn.Module, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+    """Load ``model.safetensors`` into ``model`` after checking every key and shape.
+
+    Args:
+        pkg: the package.
+        model: the module (typically built on the meta device).
+        device: read the tensors one at a time straight onto this device, cast to ``dtype`` as they
+            arrive (the host never holds the float32 state dict). None: the whole file at once on
+            the host, as stored.
+        dtype: with ``device``: cast floating tensors to this dtype.
+    """
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
     weights = pkg.path / WEIGHTS_FILE
     if not weights.is_file():
         raise PackageError(f"{pkg.path}: missing {WEIGHTS_FILE}")
     try:
-        state = load_file(str(weights))
+        if device is None:
+            state = load_file(str(weights))
+            _check_shapes(model, {k: tuple(v.shape) for k, v in state.items()}, weights)
+        else:
+            state = {}
+            with safe_open(str(weights), framework="pt", device=str(torch.device(device))) as f:
+                _check_shapes(model, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, weights)
+                for k in f.keys():
+                    t = f.get_tensor(k)
+                    state[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     except (SafetensorError, OSError) as e:
         raise PackageError(f"{weights}: cannot read weights ({e})") from None
+    model.load_state_dict(state, assign=True)
+
+
+def _check_shapes(model: nn.Module, got: dict[str, tuple[int, ...]], weights: Path) -> None:
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    missing = sorted(set(want) - set(state))
-    unexpected = sorted(set(state) - set(want))
-    bad = sorted(k for k in set(want) & set(state) if tuple(state[k].shape) != want[k])
+    missing = sorted(set(want) - set(got))
+    unexpected = sorted(set(got) - set(want))
+    bad = sorted(k for k in set(want) & set(got) if got[k] != want[k])
     if missing or unexpected or bad:
         detail = []
         if missing:
@@ -185,9 +208,8 @@ def load_weights(pkg: Package, model: nn.Module) -> None:
         if unexpected:
             detail.append(f"unexpected {unexpected[:8]}")
         if bad:
-            detail.append("shape mismatch " + ", ".join(f"{k} {tuple(state[k].shape)} != {want[k]}" for k in bad[:8]))
+            detail.append("shape mismatch " + ", ".join(f"{k} {got[k]} != {want[k]}" for k in bad[:8]))
         raise PackageError(f"{weights} does not match {CONFIG_FILE}: " + "; ".join(detail))
-    model.load_state_dict(state, assign=True)
 
 
 def load_model(
@@ -202,15 +224,19 @@ def load_model(
 
     Args:
         path: the package directory.
-        device: where to put the weights.
+        device: where to put the weights. Not the CPU: tensors are read one at a time onto the
+            device and cast there, so the host never holds the float32 state dict.
         dtype: cast weights to this dtype (default: float32 as stored).
         fused: fused Soft MoE routing (default) or the reference einsums.
         bf16_dispatch: emulate vmoe's bfloat16 dispatcher (exact parity with vmoe outputs).
     """
     pkg = read_package(path)
     model = build_model(pkg.config, device="meta")
-    load_weights(pkg, model)
-    model.to(device=device, dtype=dtype)
+    if torch.device(device).type == "cpu":
+        load_weights(pkg, model)
+        model.to(device=device, dtype=dtype)
+    else:  # an accelerator: tensors go straight there in the compute dtype
+        load_weights(pkg, model, device=device, dtype=dtype)
     configure_routing(model, fused=fused, bf16_dispatch=bf16_dispatch)
     for m in model.modules():
         if hasattr(m, "fold"):

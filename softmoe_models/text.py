@@ -2,6 +2,8 @@
 
 No attention mask (pad tokens are ordinary tokens) and no sqrt(D) embedding scale; with
 ``pool_type='last'`` the output is position L-1, which the sticky-EOS tokenizer makes the EOS.
+Pooling as vmoe's ``apply_pooling``: 'last' x[:, -1], 'first' x[:, 0], 'gap' mean and 'gmp' max
+over positions, 'map' a MAP head (vmoe ``MapHead`` with the encoder's heads, MLP width, qk-norm).
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .config import TextConfig
+from .config import TEXT_POOLS, TextConfig
 from .layers import Encoder
+from .vit import MapHead
 
 
 class TextTransformer(nn.Module):
@@ -18,20 +21,32 @@ class TextTransformer(nn.Module):
 
     def __init__(self, cfg: TextConfig) -> None:
         super().__init__()
+        if cfg.pool_type not in TEXT_POOLS:
+            raise ValueError(f"unknown text pooling {cfg.pool_type!r}; expected one of {list(TEXT_POOLS)}")
         self.cfg = cfg
-        d = cfg.encoder.hidden_size
+        enc = cfg.encoder
+        d = enc.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, d)
-        self.encoder = Encoder(cfg.encoder, cfg.max_len)
+        self.encoder = Encoder(enc, cfg.max_len)
+        self.map_head = (
+            MapHead(d, enc.num_heads, cfg.map_mlp_dim or enc.mlp_dim, enc.qk_norm) if cfg.pool_type == "map" else None
+        )
         self.head = nn.Linear(d, cfg.num_classes) if cfg.num_classes else None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] != self.cfg.max_len:
             raise ValueError(f"input_ids must have length {self.cfg.max_len}, got {input_ids.shape[-1]}")
         x = self.encoder(self.embed(input_ids.long()))  # (B, L, D)
-        if self.cfg.pool_type == "last":
-            x = x[:, -1]
-        elif self.cfg.pool_type == "first":
+        pool = self.cfg.pool_type
+        if pool == "last":
+            x = x[:, -1]  # (B, D)
+        elif pool == "first":
             x = x[:, 0]
-        else:
+        elif pool == "gap":
             x = x.mean(dim=1)
+        elif pool == "gmp":
+            x = x.amax(dim=1)
+        else:
+            assert self.map_head is not None
+            x = self.map_head(x)
         return self.head(x) if self.head is not None else x

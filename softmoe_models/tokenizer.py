@@ -15,14 +15,24 @@ _ASCII_LOWER = str.maketrans({c: c.lower() for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 class Tokenizer:
-    def __init__(self, model_file: str | Path, max_len: int = 16, eos_id: int = 1, pad_id: int = 1) -> None:
+    def __init__(self, model_file: str | Path | bytes, max_len: int = 16, eos_id: int = 1, pad_id: int = 1) -> None:
+        """
+        Args:
+            model_file: a SentencePiece model file, or its bytes (as carried in ONNX metadata).
+            max_len: ids per text, EOS included.
+            eos_id: appended to every text.
+            pad_id: right padding.
+        """
         import sentencepiece as spm
 
-        self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
+        if isinstance(model_file, bytes):
+            self.sp = spm.SentencePieceProcessor(model_proto=model_file)
+        else:
+            self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
         self.max_len, self.eos_id, self.pad_id = max_len, eos_id, pad_id
 
     @classmethod
-    def from_contract(cls, model_file: str | Path, text: dict) -> "Tokenizer":
+    def from_contract(cls, model_file: str | Path | bytes, text: dict) -> "Tokenizer":
         return cls(model_file, text.get("max_len", 16), text.get("eos_id", 1), text.get("pad_id", 1))
 
     def ids(self, text: str) -> list[int]:

@@ -59,6 +59,6 @@ def packages(tmp_path_factory, tokenizer_file, golden_dir):
     out = {}
     out["golden"], _ = convert_checkpoint(GOLDEN / "softmoe_e8p1.npz", root / "golden",
                                           labels=[f"label{i}" for i in range(10)])
-    out["tt"], _ = convert_checkpoint(GOLDEN / "twotower.npz", root / "tt")
-    out["tt-tok"], _ = convert_checkpoint(GOLDEN / "twotower.npz", root / "tt-tok", tokenizer=tokenizer_file)
+    out["tt"], _ = convert_checkpoint(GOLDEN / "twotower.npz", root / "tt", text_pool="last")
+    out["tt-tok"], _ = convert_checkpoint(GOLDEN / "twotower.npz", root / "tt-tok", tokenizer=tokenizer_file, text_pool="last")
     return out

@@ -1,14 +1,13 @@
 """ONNX Runtime backend: loads exported .onnx files (exporting the package first if needed).
 
-Execution providers are chosen from what is installed and reported as ORT really uses them:
-TensorRT EP and CUDA EP when onnxruntime-gpu is present and ``device='cuda'``, else CPU.
+Execution providers: the CPU EP on ``device='cpu'``; on ``device='cuda'`` the CUDA EP alone, with
+deterministic options, checked after each session is created against the providers ORT really
+made active: a session without it stops the server (no silent CPU fallback). TensorRT is served
+by its own backend.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -22,52 +21,99 @@ ROLE_TO_FN = {"classifier": "classify", "image": "image", "text": "text", "encod
 
 
 def cache_root(cache_dir: str) -> Path:
-    return Path(cache_dir or os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / ("" if cache_dir else "softmoe-serve")
+    """``cache_dir``, else ``$SOFTMOE_CACHE_DIR``, else ``$XDG_CACHE_HOME/softmoe-serve`` or ``~/.cache/softmoe-serve``."""
+    from export.cache import default_root
+
+    return default_root(cache_dir)
 
 
-def exported_files(package: Path, cache_dir: str, precision: str, log=print) -> list[Path]:
-    """The package's ONNX graphs (split towers), exported once and cached by weights + settings."""
-    from export.onnx import export_onnx
-    from softmoe_models import __version__
+# Bumped whenever the exported graph changes for the same inputs (e.g. LayerNorm held in fp32 under
+# fp16): the cache key covers the exporter's code, not only its version number.
+GRAPH_FORMAT = 2
 
-    h = hashlib.sha256()
-    with open(package / "model.safetensors", "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    h.update(json.dumps([precision, "per-expert", 20, __version__]).encode())
-    out = cache_root(cache_dir) / "onnx" / h.hexdigest()[:24]
-    done = out / "done.json"
-    if done.is_file():
-        return [out / name for name in json.loads(done.read_text())]
-    out.mkdir(parents=True, exist_ok=True)
-    files = export_onnx(package, out / "model.onnx", precision=precision, towers="split", log=log)
-    done.write_text(json.dumps([f.path.name for f in files]))
-    return [f.path for f in files]
+
+def exported_files(package: Path, cache_dir: str, precision: str, log=print, device: str = "cpu") -> list[Path]:
+    """The package's ONNX graphs (split towers), exported and verified once per key, then reused.
+
+    The key covers every input of the export: the package's files (config.json included), the
+    exporter's and ONNX Runtime's versions, opset, precision, expert form, towers, the verified
+    batch sizes and the device that verified it. The entry is built in a temp dir under a file
+    lock, published whole, and hash-checked at every start (``export.cache``): a corrupt or
+    partial entry is rebuilt, never served.
+    """
+    import onnxruntime
+
+    from export import cache
+    from export.onnx import DEFAULT_OPSET, export_onnx
+
+    # Per-expert matmuls win on CPU only; on GPU one batched matmul over the stacked experts
+    # (docs: soft-moe-performance.md).
+    experts = "batched" if device == "cuda" else "per-expert"
+    settings = dict(opset=DEFAULT_OPSET, precision=precision, experts=experts, towers="split",
+                    dynamic_batch=True, verify_batches=(1, 4))
+    inputs = {
+        "artifact": "onnx",
+        "graph_format": GRAPH_FORMAT,
+        "package": cache.package_digests(package),
+        "exporter": cache.versions("softmoe-serve", "torch", "onnxscript", "onnx-ir", "onnx"),
+        "runtime": {"name": "onnxruntime", "version": onnxruntime.__version__},
+        # export_onnx verifies bf16 graphs on the CUDA provider, everything else on the CPU
+        "device": cache.cuda_identity() if precision == "bf16" else cache.cpu_identity(),
+        **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
+    }
+
+    def build(tmp: Path) -> list[str]:
+        files = export_onnx(package, tmp / "model.onnx", log=log, **settings)  # raises unless verified
+        return [f.path.name for f in files]
+
+    entry = cache.build(cache_root(cache_dir) / "onnx", cache.cache_key(inputs), build, inputs=inputs, log=log)
+    log(f"{'exported' if entry.built else 'reusing'} {entry.path} (hash-checked)")
+    return [entry.files[name] for name in entry.meta]
 
 
 class OnnxRuntimeBackend:
     name = "onnxruntime"
 
-    def __init__(self, files: list[Path], *, device: str = "cpu", max_batch_size: int = 8, threads: int = 0) -> None:
+    def __init__(self, files: list[Path], *, device: str = "cpu", max_batch_size: int = 8, threads: int = 0,
+                 cuda_graph: bool = False, strict_placement: bool = False) -> None:
+        """Sessions for ``files``. On cuda only the CUDA EP is requested (deterministic options,
+        ``server.backends.cuda``) and every session must really have it active, else
+        ``DeviceUnavailableError``: never served from CPU.
+
+        Args:
+            files: exported graphs (``softmoe.*`` metadata).
+            device: cpu | cuda.
+            max_batch_size: the largest batch ``run`` receives.
+            threads: intra-op threads (0: the CPUs available).
+            cuda_graph: on cuda, ORT's CUDA-graph mode with I/O binding; calls are padded to
+                ``max_batch_size`` (one captured shape per session).
+            strict_placement: on cuda, refuse a graph with any node on the CPU EP.
+        """
         import onnxruntime as ort
 
-        available = ort.get_available_providers()
-        providers = ["CPUExecutionProvider"]
+        from .cuda import CUDA_EP, ort_cuda_preflight, ort_cuda_session, require_ort_provider
+
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {device!r}: use cpu or cuda")
         if device == "cuda":
-            gpu = [p for p in ("TensorrtExecutionProvider", "CUDAExecutionProvider") if p in available]
-            if not gpu:
-                raise RuntimeError("--device cuda with onnxruntime needs onnxruntime-gpu (pip install 'softmoe-serve[gpu]')")
-            providers = gpu + providers
+            ort_cuda_preflight(ort)
         self.device, self.max_batch_size = device, max_batch_size
+        self.cuda_graph = cuda_graph and device == "cuda"
         self.sessions = {}
         self.functions: dict[str, FunctionSpec] = {}
         self.metadata: dict[str, dict] = {}
+        self._graph_runners: dict = {}
         for path in files:
             meta = read_metadata(path)
             fn = ROLE_TO_FN.get(meta.get("graph", ""))
             if fn is None:
                 continue
-            sess = ort_session(path, threads=threads or None, providers=providers)
+            if device == "cuda":
+                sess = ort_cuda_session(path, cuda_graph=self.cuda_graph, strict_placement=strict_placement,
+                                        threads=threads or None)
+                require_ort_provider(sess, path)
+            else:
+                sess = ort_session(path, threads=threads or None, providers=["CPUExecutionProvider"])
             self.sessions[fn] = sess
             self.metadata[fn] = meta
             inputs = tuple(
@@ -76,12 +122,36 @@ class OnnxRuntimeBackend:
             )
             self.functions[fn] = FunctionSpec(inputs, tuple(o.name for o in sess.get_outputs()))
         self.providers = {fn: s.get_providers() for fn, s in self.sessions.items()}
+        self.precision = ",".join(sorted({m.get("precision", "fp32") for m in self.metadata.values()})) or "fp32"
+        self.device_used = "cpu"
+        if device == "cuda":
+            ids = {s.get_provider_options().get(CUDA_EP, {}).get("device_id", "0") for s in self.sessions.values()}
+            self.device_used = ",".join(f"cuda:{i}" for i in sorted(ids)) or "cuda"
 
     def run(self, fn: str, inputs: Rows) -> Rows:
-        sess = self.sessions[fn]
-        names = self.functions[fn].outputs
-        outs = sess.run(list(names), {k: np.ascontiguousarray(v) for k, v in inputs.items()})
-        return dict(zip(names, outs))
+        try:
+            if self.cuda_graph:
+                runner = self._graph_runners.get(fn)
+                if runner is None:
+                    import onnxruntime as ort
+
+                    from .cuda import OrtCudaGraphRunner
+
+                    runner = self._graph_runners[fn] = OrtCudaGraphRunner(ort, self.sessions[fn], self.functions[fn],
+                                                                          self.max_batch_size)
+                return runner(inputs)
+            sess = self.sessions[fn]
+            names = self.functions[fn].outputs
+            outs = sess.run(list(names), {k: np.ascontiguousarray(v) for k, v in inputs.items()})
+            return dict(zip(names, outs))
+        except Exception as e:
+            from .cuda import is_sticky_cuda_message
+
+            if self.device == "cuda" and is_sticky_cuda_message(str(e)):
+                from ..batching.batcher import FatalBackendError
+
+                raise FatalBackendError(f"CUDA context unusable: {' '.join(str(e).split())[:300]}") from e
+            raise
 
     def warmup(self, batch_sizes: list[int]) -> None:
         warm(self, batch_sizes)
@@ -89,7 +159,9 @@ class OnnxRuntimeBackend:
     def describe(self) -> dict:
         import onnxruntime as ort
 
-        return {"backend": "onnxruntime", "device": self.device, "providers": self.providers, "onnxruntime": ort.__version__}
+        return {"backend": "onnxruntime", "device": self.device_used, "precision": self.precision,
+                "providers": self.providers, "cuda_graph": self.cuda_graph, "onnxruntime": ort.__version__}
 
     def close(self) -> None:
+        self._graph_runners.clear()
         self.sessions.clear()

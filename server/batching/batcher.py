@@ -6,10 +6,13 @@ or ``max_delay_ms`` after the oldest, drops those whose future was cancelled (th
 or whose deadline passed (they never reach the model), runs the backend, and resolves every
 future with its own row or its own exception.
 
-Strict determinism: every backend call has exactly ``max_batch_size`` rows (zero padding), so
-the kernels, their tiling and their reduction order never depend on how many items were
-waiting; Soft MoE routes each sequence on its own, so an item's outputs are bitwise identical
-whatever its batch-mates are. Without it, calls have as many rows as items. Since a padded call
+Strict determinism: every backend call runs at a fixed padded shape (zero padding), so the
+kernels, their tiling and their reduction order never depend on how many items were waiting;
+Soft MoE routes each sequence on its own, so an item's outputs are bitwise identical whatever its
+batch-mates are. The shapes are ``max_batch_size`` and the smaller ones proven at start-up, on
+this machine and backend, to give per-row outputs bitwise equal to it (``ModelQueue.shapes``);
+a call runs at the smallest proven shape that holds its items, so a lone request at low load
+does not pay for a full padded batch. Without it, calls have as many rows as items. Since a padded call
 costs a full batch, strict queues open their ``max_delay`` window when the worker becomes free
 (not when the oldest item arrived), so clients answered by one call can fill the next.
 
@@ -78,7 +81,17 @@ class ModelQueue:
         self.max_batch_size, self.max_delay_s, self.max_queue, self.pad = max_batch_size, max_delay_s, max_queue, pad
         self.metrics = metrics
         self.items: deque[Item] = deque()
+        # Strict mode: the padded batch shapes this queue may run, ascending, each proven at start-up
+        # to give per-row outputs bitwise equal to the maximal shape (registry.prove_shapes).
+        self.shapes: tuple[int, ...] = (max_batch_size,)
         self.reserved = 0  # places taken by admitted requests still decoding (see Batcher.reserve)
+
+    def shape_for(self, n: int) -> int:
+        """Rows of the backend call that carries ``n`` items: the smallest proven shape that holds
+        them (strict), or ``n`` itself (loose)."""
+        if not self.pad:
+            return n
+        return next((s for s in self.shapes if s >= n), self.max_batch_size)
 
     def _gauge(self) -> None:
         if self.metrics:  # one model's functions (e.g. image and text) share its label: their sum
@@ -293,7 +306,7 @@ class Batcher:
 
     def _infer(self, queue: ModelQueue, items: list[Item]) -> Rows:
         n = len(items)
-        rows = queue.max_batch_size if queue.pad else n
+        rows = queue.shape_for(n)
         stacked: Rows = {}
         for name in items[0].row:
             first = items[0].row[name]

@@ -1,87 +1,110 @@
 """Bytes -> RGB PIL image, defensively: a format allowlist checked from the magic bytes before any
-decoder runs, the pixel count checked from the header before decoding, JPEG draft mode when
-downscaling, EXIF orientation applied, first frame only, every mode converted to RGB the same way
-(alpha composited on white, 16-bit scaled to 8-bit).
+decoder runs, the pixel cost read from the header (``probe``) and checked before Pillow decodes, JPEG
+draft mode when downscaling, a deadline checked between the chunks fed to the decoder, EXIF orientation
+applied, first frame only, every mode converted to RGB the same way (alpha composited on white, 16-bit
+scaled to 8-bit).
+
+Thread-safe: decoding runs in a thread pool, so nothing here touches the process-wide ``warnings``
+filters. Pillow's own pixel ceiling (``Image.MAX_IMAGE_PIXELS``) is left as it is; ``check_pixels``
+refuses anything above it first, so its warning never fires, and its ``DecompressionBombError`` stays as a
+backstop mapped to 413.
+
+The deadline bounds the decode itself: Pillow's decoders pull their input through ``read()`` of the file
+object, ``CHUNK_BYTES`` at a time, and the file object given to Pillow checks the deadline before every
+read. WebP is the exception: libwebp decodes the first frame in one call, so its deadline is checked only
+before and after it.
 """
 
 from __future__ import annotations
 
 import io
-import warnings
+import time
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from ..errors import BadRequest, PayloadTooLarge, Unprocessable, UnsupportedMediaType
+from ..errors import BadRequest, DeadlineExceeded, PayloadTooLarge, ServiceError, Unprocessable
+from .probe import ALLOWED, ImageInfo, check_pixels, probe, sniff
 
-ALLOWED = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
+__all__ = ["ALLOWED", "BACKGROUND", "CHUNK_BYTES", "MIN_SIDE", "decode", "sniff", "to_rgb"]
+
 BACKGROUND = (255, 255, 255)  # alpha is composited on white
 MIN_SIDE = 1
+CHUNK_BYTES = 16384  # encoded bytes fed to a decoder between two deadline checks (Pillow's default: 65536)
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False
 
-# Formats we recognise only to refuse them with 415 (their decoders never run).
-_REFUSED = (
-    (b"8BPS", "PSD"), (b"%PDF", "PDF"), (b"%!PS", "EPS"), (b"\xc5\xd0\xd3\xc6", "EPS"),
-    (b"II*\x00", "TIFF"), (b"MM\x00*", "TIFF"), (b"\x00\x00\x01\x00", "ICO"), (b"icns", "ICNS"),
-    (b"\x00\x00\x00\x0cjP  ", "JPEG2000"), (b"\xff\x4f\xff\x51", "JPEG2000"), (b"gimp xcf", "XCF"),
-    (b"DDS ", "DDS"), (b"\x59\xa6\x6a\x95", "SUN"), (b"FORM", "IFF"),
-)
+_now = time.perf_counter  # the deadline's clock
 
 
-def sniff(data: bytes) -> str:
-    """The image format from the magic bytes; 415 for known non-allowed formats, 400 otherwise."""
-    if not data:
-        raise BadRequest("empty image")
-    head = data[:32]
-    if head.startswith(b"\xff\xd8\xff"):
-        return "JPEG"
-    if head.startswith(b"\x89PNG\r\n\x1a\n"):
-        return "PNG"
-    if head[:6] in (b"GIF87a", b"GIF89a"):
-        return "GIF"
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "WEBP"
-    if head[:2] == b"BM":
-        return "BMP"
-    for magic, name in _REFUSED:
-        if head.startswith(magic):
-            raise UnsupportedMediaType(f"{name} images are not accepted; send one of {', '.join(ALLOWED)}")
-    text = head.lstrip().lower()
-    if text.startswith((b"<svg", b"<?xml", b"<!doctype svg")):
-        raise UnsupportedMediaType(f"SVG images are not accepted; send one of {', '.join(ALLOWED)}")
-    raise BadRequest(f"not a recognised image (expected one of {', '.join(ALLOWED)})")
+class _DeadlineFile(io.BytesIO):
+    """The encoded bytes as the file Pillow reads, refusing every read once the deadline has passed."""
+
+    def __init__(self, data: bytes, deadline: float | None) -> None:
+        super().__init__(data)
+        self.deadline = deadline
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        _check_deadline(self.deadline, "while the image was decoding")
+        return super().read(size)
 
 
-def decode(data: bytes, target_size: int | None = None, max_pixels: int = 40_000_000) -> Image.Image:
+def _check_deadline(deadline: float | None, when: str) -> None:
+    if deadline is not None and _now() > deadline:
+        raise DeadlineExceeded(f"the request's deadline passed {when}")
+
+
+def decode(data: bytes, target_size: int | None = None, max_pixels: int = 16_777_216, *,
+           deadline: float | None = None, draft: bool = True, info: ImageInfo | None = None) -> Image.Image:
     """Decode one image to RGB.
 
     Args:
         data: the encoded file.
-        target_size: the model's input side; JPEGs are decoded at a reduced scale (draft mode)
-            when that still leaves at least this many pixels per side.
-        max_pixels: width x height above which the image is refused (413) before decoding.
+        target_size: the model's input side; with ``draft``, JPEGs are decoded at a reduced scale (draft
+            mode) when that still leaves at least this many pixels per side.
+        max_pixels: the most pixels the first frame may decode to (``ImageInfo.cost_pixels``); above it
+            the image is refused (413) before decoding.
+        deadline: a ``time.perf_counter()`` value; past it, decoding does not start, or stops at the next
+            chunk (504).
+        draft: whether JPEG draft mode may be used.
+        info: the image's ``probe`` result, if the caller has it already; probed again when it was taken
+            for another draft size.
+
+    Raises:
+        BadRequest: corrupt or truncated data, or a header that disagrees with what Pillow reads (400).
+        PayloadTooLarge: more pixels than ``max_pixels`` or Pillow's ceiling (413).
+        UnsupportedMediaType: a format outside the allowlist (415).
+        Unprocessable: an image smaller than ``MIN_SIDE`` or a header too long to walk (422).
+        DeadlineExceeded: the deadline passed before or during decoding (504).
     """
+    _check_deadline(deadline, "before the image was decoded")
     fmt = sniff(data)
+    wanted = target_size if fmt == "JPEG" and draft and target_size else None
+    if info is None or info.format != fmt or info.draft_size != wanted:
+        info = probe(data, target_size=target_size, draft=draft)
+    if info.width < MIN_SIDE or info.height < MIN_SIDE:
+        raise Unprocessable(f"image is {info.width}x{info.height}; it must be at least {MIN_SIDE}x{MIN_SIDE}")
+    check_pixels(info, max_pixels)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data), formats=[fmt])
-            w, h = im.size
-            if w * h > max_pixels:
-                raise PayloadTooLarge(f"image is {w}x{h} = {w * h} pixels; the limit is {max_pixels}")
-            if w < MIN_SIDE or h < MIN_SIDE:
-                raise Unprocessable(f"image is {w}x{h}; it must be at least {MIN_SIDE}x{MIN_SIDE}")
-            # Animated GIF/WebP: Image.open stands on the first frame and load() decodes only it;
-            # n_frames is never asked for (it would walk every frame).
-            if fmt == "JPEG" and target_size:
-                im.draft("RGB", (target_size, target_size))
-            im.load()
-            im = ImageOps.exif_transpose(im)
-            return to_rgb(im)
-    except (PayloadTooLarge, Unprocessable):
+        im = Image.open(_DeadlineFile(data, deadline), formats=[fmt])
+        if im.size != (info.width, info.height):
+            raise BadRequest(f"{fmt} image is corrupt (its header declares {info.width}x{info.height}, "
+                             f"the decoder reads {im.size[0]}x{im.size[1]})")
+        # Animated GIF/WebP/APNG: Image.open stands on the first frame and load() decodes only it;
+        # n_frames is never asked for (it would walk every frame).
+        if info.draft_size:
+            im.draft("RGB", (info.draft_size, info.draft_size))
+            if im.size != info.decoded_size:
+                raise BadRequest(f"{fmt} image is corrupt (draft mode reads {im.size[0]}x{im.size[1]}, "
+                                 f"not {info.decoded_size[0]}x{info.decoded_size[1]})")
+        im.decodermaxblock = CHUNK_BYTES
+        im.load()
+        _check_deadline(deadline, "while the image was decoding")
+        im = ImageOps.exif_transpose(im)
+        return to_rgb(im)
+    except ServiceError:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+    except Image.DecompressionBombError as e:
         raise PayloadTooLarge(f"image exceeds the decoder's pixel limit ({e})") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError) as e:
         reason = "truncated" if "truncated" in str(e).lower() else "corrupt or unreadable"

@@ -66,7 +66,9 @@ async def embeddings(request: Request):
 
 @router.get("/v1/models", summary="Served models (OpenAI list format)")
 async def list_models(request: Request):
+    from .oip import _batching
+
     data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "softmoe-serve", "kind": m.kind,
-             "ready": m.ready, "backend": m.backend.describe(), "source": m.source}
+             "ready": m.ready, "backend": m.backend.describe(), "source": m.source, "batching": _batching(m)}
             for m in request.app.state.models.values()]
     return JSONResponse({"object": "list", "data": data})

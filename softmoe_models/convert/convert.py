@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -95,16 +96,25 @@ def sha256_of(files: list[Path], root: Path | None = None) -> str:
     return h.hexdigest()
 
 
-
-
 def convert_checkpoint(
     src: str | Path,
     out: str | Path,
     labels: list[str] | None = None,
     tokenizer: str | Path | None = None,
     head_activation: str | None = None,
+    text_pool: str | None = None,
 ) -> tuple[Path, list[str]]:
     """Convert a vmoe checkpoint (npz, legacy partitioned or orbax) into a model package.
+
+    Args:
+        src: the checkpoint (see :func:`softmoe_models.convert.readers.read_checkpoint`).
+        out: the package directory to write.
+        labels: class names (classifiers).
+        tokenizer: SentencePiece model of the text tower (two-tower).
+        head_activation: 'softmax' or 'sigmoid' (classifiers; default softmax).
+        text_pool: the text tower's pooling, vmoe ``TextTransformer.pool_type`` (two-tower).
+            Required unless the parameters show it (only 'map' has parameters); an error if
+            it contradicts them or if the checkpoint has no text tower.
 
     Returns:
         The package directory and the notices collected on the way (ignored groups, ...).
@@ -114,11 +124,13 @@ def convert_checkpoint(
 
     src = Path(src)
     params, notices, fmt = read_checkpoint(src)
-    cfg = infer_config(params)
+    cfg = infer_config(params, text_pool=text_pool)
     state = params_to_state_dict(params, cfg)
     model = build_model(cfg, device="meta")
     model.load_state_dict(state, assign=True)
     provenance = {"source": str(src), "format": fmt, "sha256": checkpoint_sha256(src, fmt)}
+    if isinstance(cfg, TwoTowerConfig):
+        provenance["text_pool"] = "given" if text_pool is not None else "inferred from the parameters"
     pkg = save_package(
         model, cfg, out, labels=labels, tokenizer=tokenizer, provenance=provenance,
         head_activation=head_activation,

@@ -5,6 +5,10 @@ the ``(D, H, Dh)`` attention kernels, patch size and width from the ``(P, P, C, 
 kernel, tokens (hence image size) from the position embedding, experts and slots from
 ``Router/mu (D, n, p)``, MoE layers from which blocks hold ``Moe``, qk-norm from ``query_ln``,
 the classifier from ``cls`` / ``MapHead``, class count from ``head``.
+
+The text tower's pooling is the one thing the parameters mostly cannot show: of vmoe's
+``TextTransformer.pool_type`` values only 'map' has parameters (``txt/MapHead/*``). Without them
+the pooling must be given (``text_pool=``, ``softmoe convert --text-pool``); it is never assumed.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import re
 
 import numpy as np
 
-from ..config import EncoderConfig, MoEConfig, ModelConfig, TextConfig, TwoTowerConfig, ViTConfig
+from ..config import TEXT_POOLS, EncoderConfig, MoEConfig, ModelConfig, TextConfig, TwoTowerConfig, ViTConfig
 from .errors import ConversionError
 
 Params = dict[str, np.ndarray]
@@ -40,7 +44,7 @@ def _block_indices(params: Params, encoder: str) -> list[int]:
     return found
 
 
-def infer_encoder(params: Params, encoder: str, tokens: int) -> EncoderConfig:
+def infer_encoder(params: Params, encoder: str) -> EncoderConfig:
     """Config of the encoder whose parameters sit under ``encoder`` (e.g. ``img/Encoder``)."""
     blocks = _block_indices(params, encoder)
     b0 = f"{encoder}/encoderblock_0"
@@ -61,15 +65,14 @@ def infer_encoder(params: Params, encoder: str, tokens: int) -> EncoderConfig:
             raise ConversionError(f"{first}/Router/mu has shape {mu.shape}; its first axis must be the width {d}")
         w1 = _get(params, f"{first}/Mlp/Dense_0/kernel", 3)
         moe_mlp = int(w1.shape[2])
+        if mlp_dim is None:  # every block is MoE: the experts' width is the encoder's
+            mlp_dim = moe_mlp
         moe = MoEConfig(
             layers=tuple(moe_layers),
             num_experts=int(mu.shape[1]),
             slots_per_expert=int(mu.shape[2]),
             mlp_dim=None if moe_mlp == mlp_dim else moe_mlp,
-            group_size=tokens,
         )
-        if mlp_dim is None:
-            mlp_dim, moe = moe_mlp, MoEConfig(moe.layers, moe.num_experts, moe.slots_per_expert, None, tokens)
     assert mlp_dim is not None
     return EncoderConfig(
         hidden_size=int(d),
@@ -98,7 +101,7 @@ def infer_vit(params: Params, prefix: str = "") -> ViTConfig:
         raise ConversionError(
             f"{p}Encoder/posembed_input/pos_embedding has {patches} patch tokens, not a square grid"
         )
-    encoder = infer_encoder(params, f"{p}Encoder", tokens)
+    encoder = infer_encoder(params, f"{p}Encoder")
     if encoder.hidden_size != d:
         raise ConversionError(f"{p}embedding/kernel width {d} != encoder width {encoder.hidden_size}")
     rep = params.get(f"{p}pre_logits/kernel")
@@ -119,24 +122,80 @@ def infer_vit(params: Params, prefix: str = "") -> ViTConfig:
     )
 
 
-def infer_text(params: Params, prefix: str = "txt") -> TextConfig:
+def infer_text_pool(params: Params, prefix: str = "txt", text_pool: str | None = None) -> str:
+    """The text tower's ``pool_type``: shown by the parameters ('map') or given, never assumed.
+
+    Args:
+        params: the flat parameter tree.
+        prefix: the text tower's group.
+        text_pool: the pooling given by the user (``--text-pool``), or None.
+
+    Raises:
+        ConversionError: not given and not shown, unknown, or contradicting the parameters.
+    """
+    choices = "{" + ",".join(TEXT_POOLS) + "}"
+    if text_pool is not None and text_pool not in TEXT_POOLS:
+        raise ConversionError(f"--text-pool {text_pool!r} is not one of {choices}")
+    has_map = any(k.startswith(f"{prefix}/MapHead/") for k in params)
+    if has_map:
+        if text_pool not in (None, "map"):
+            raise ConversionError(
+                f"--text-pool {text_pool} contradicts the checkpoint: it holds {prefix}/MapHead/* parameters, "
+                "which only pool_type 'map' has"
+            )
+        return "map"
+    if text_pool == "map":
+        raise ConversionError(
+            f"--text-pool map contradicts the checkpoint: pool_type 'map' needs {prefix}/MapHead/* parameters "
+            "and there are none"
+        )
+    if text_pool is None:
+        others = ",".join(p for p in TEXT_POOLS if p != "map")
+        raise ConversionError(
+            f"cannot infer the text tower's pooling: only 'map' has parameters ({prefix}/MapHead/*) and there are "
+            f"none; pass --text-pool {{{others}}} (text_pool= in convert_checkpoint) with the text tower's pool_type "
+            "from the vmoe training config ('last' when the config does not set it)"
+        )
+    return text_pool
+
+
+def infer_text(params: Params, prefix: str = "txt", text_pool: str | None = None) -> TextConfig:
+    """Config of the text tower under ``prefix``; the pooling as :func:`infer_text_pool`."""
     emb = _get(params, f"{prefix}/Embed_0/embedding", 2)
     pos = _get(params, f"{prefix}/Encoder/posembed_input/pos_embedding", 3)
     head = params.get(f"{prefix}/head/kernel")
+    pool = infer_text_pool(params, prefix, text_pool)
+    encoder = infer_encoder(params, f"{prefix}/Encoder")
+    map_mlp = None
+    if pool == "map":
+        map_mlp = int(_get(params, f"{prefix}/MapHead/Mlp/Dense_0/kernel", 2).shape[1])
+        map_mlp = None if map_mlp == encoder.mlp_dim else map_mlp
     return TextConfig(
-        encoder=infer_encoder(params, f"{prefix}/Encoder", int(pos.shape[1])),
+        encoder=encoder,
         vocab_size=int(emb.shape[0]),
         max_len=int(pos.shape[1]),
         num_classes=int(head.shape[1]) if head is not None and head.ndim == 2 else None,
+        pool_type=pool,  # type: ignore[arg-type]
+        map_mlp_dim=map_mlp,
     )
 
 
-def infer_config(params: Params) -> ModelConfig:
-    """Classifier when ``embedding/kernel`` is at the root; TwoTower when ``img/`` and ``txt/``."""
+def infer_config(params: Params, text_pool: str | None = None) -> ModelConfig:
+    """Classifier when ``embedding/kernel`` is at the root; TwoTower when ``img/`` and ``txt/``.
+
+    Args:
+        params: the flat parameter tree.
+        text_pool: the text tower's pooling (two-tower only); required unless the params show it.
+    """
+    if text_pool is not None and text_pool not in TEXT_POOLS:
+        raise ConversionError(f"--text-pool {text_pool!r} is not one of {{{','.join(TEXT_POOLS)}}}")
     if "embedding/kernel" in params:
+        if text_pool is not None:
+            raise ConversionError(f"--text-pool {text_pool} was given, but the checkpoint is a classifier (no text tower)")
         return infer_vit(params)
     if any(k.startswith("img/") for k in params) and any(k.startswith("txt/") for k in params):
-        return TwoTowerConfig(image=infer_vit(params, "img"), text=infer_text(params), has_bias="b" in params)
+        image = infer_vit(params, "img")
+        return TwoTowerConfig(image=image, text=infer_text(params, text_pool=text_pool), has_bias="b" in params)
     roots = sorted({k.split("/")[0] for k in params})
     raise ConversionError(
         "not a vmoe VisionTransformerMoe or TwoTower parameter tree: expected 'embedding/kernel' "

@@ -96,6 +96,13 @@ def _encoder(f: str, t: str, cfg: EncoderConfig) -> Iterator[Entry]:
     yield from _layer_norm(f"{f}/encoder_norm", f"{t}.norm")
 
 
+def _map_head(f: str, t: str, qk_norm: bool) -> Iterator[Entry]:
+    yield f"{f}/probe", f"{t}.probe", "same"
+    yield from _attention(f"{f}/MultiHeadDotProductAttention", f"{t}.attn", qk_norm)
+    yield from _layer_norm(f"{f}/LayerNorm", f"{t}.norm")
+    yield from _mlp(f"{f}/Mlp", f"{t}.mlp")
+
+
 def _join(prefix: str, name: str, sep: str) -> str:
     return f"{prefix}{sep}{name}" if prefix else name
 
@@ -109,10 +116,7 @@ def vit_entries(cfg: ViTConfig, f: str = "", t: str = "") -> Iterator[Entry]:
         yield F("cls"), T("cls_token"), "same"
     yield from _encoder(F("Encoder"), T("encoder"), cfg.encoder)
     if cfg.classifier == "map":
-        yield F("MapHead/probe"), T("map_head.probe"), "same"
-        yield from _attention(F("MapHead/MultiHeadDotProductAttention"), T("map_head.attn"), cfg.encoder.qk_norm)
-        yield from _layer_norm(F("MapHead/LayerNorm"), T("map_head.norm"))
-        yield from _mlp(F("MapHead/Mlp"), T("map_head.mlp"))
+        yield from _map_head(F("MapHead"), T("map_head"), cfg.encoder.qk_norm)
     if cfg.representation_size:
         yield from _dense(F("pre_logits"), T("pre_logits.0"))
     if cfg.num_classes:
@@ -122,6 +126,8 @@ def vit_entries(cfg: ViTConfig, f: str = "", t: str = "") -> Iterator[Entry]:
 def text_entries(cfg: TextConfig, f: str = "txt", t: str = "text") -> Iterator[Entry]:
     yield f"{f}/Embed_0/embedding", f"{t}.embed.weight", "same"
     yield from _encoder(f"{f}/Encoder", f"{t}.encoder", cfg.encoder)
+    if cfg.pool_type == "map":
+        yield from _map_head(f"{f}/MapHead", f"{t}.map_head", cfg.encoder.qk_norm)
     if cfg.num_classes:
         yield from _dense(f"{f}/head", f"{t}.head")
 

@@ -30,7 +30,7 @@ from .data import (HELDOUT_TEMPLATES, LABELS, PREPROCESS, SERVING_TEMPLATES, TRA
 
 IMAGE = ViTConfig(
     EncoderConfig(hidden_size=64, num_layers=4, num_heads=4, mlp_dim=128, qk_norm=True,
-                  moe=MoEConfig(layers=(2, 3), num_experts=8, slots_per_expert=1, group_size=16)),
+                  moe=MoEConfig(layers=(2, 3), num_experts=8, slots_per_expert=1)),
     image_size=8, patch_size=2, num_classes=10,
 )
 TEXT_LEN = 16

@@ -25,7 +25,8 @@ def pkgs(tmp_path_factory, golden_dir):
     root = tmp_path_factory.mktemp("export")
     out = {}
     for name in ("softmoe_e8p1", "softmoe_e4p2", "twotower"):
-        out[name], _ = convert_checkpoint(GOLDEN / f"{name}.npz", root / name)
+        pool = {"text_pool": "last"} if name == "twotower" else {}  # twotower.json: text_pool_type "last"
+        out[name], _ = convert_checkpoint(GOLDEN / f"{name}.npz", root / name, **pool)
     out["legacy"], _ = convert_checkpoint(GOLDEN / "checkpoint/partitioned/softmoe_e4p2", root / "legacy")
     out["orbax"], _ = convert_checkpoint(GOLDEN / "checkpoint/orbax/ckpt/0", root / "orbax")
     return out

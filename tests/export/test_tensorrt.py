@@ -2,17 +2,24 @@
 
 A small recording stand-in of the TensorRT 10 Python API checks the sequence of builder calls:
 the optimization profile shapes, precision flags, fp32 layers in reduced precision, the timing
-cache round trip. The real library is never imitated beyond the calls we make.
+cache round trip (hash-checked, replaced atomically). Through ``export_tensorrt`` with that
+stand-in: engines verified in a temp dir before they are published, never published when the
+check fails, rebuilt when the cached copy does not match its hash, cached outside the package.
+The real library is never imitated beyond the calls we make.
 """
 
 from __future__ import annotations
 
+import json
 import types
+from pathlib import Path
 
 import pytest
 
 from export.errors import ExportError, MissingExtraError
-from export.tensorrt import BatchProfile, EngineKey, build_engine, engine_inputs, import_tensorrt
+from export.tensorrt import (
+    BatchProfile, EngineKey, build_engine, engine_inputs, import_tensorrt, read_timing_cache, write_timing_cache,
+)
 
 
 def test_missing_tensorrt_names_the_extra():
@@ -50,7 +57,8 @@ def test_engine_key_is_stable_and_sensitive():
     assert _key().digest() == _key().digest()
     assert len(_key().digest()) == 32 and _key().file_name().startswith("classifier-fp16-")
     for change in (dict(weights_sha256="b" * 64), dict(tensorrt_version="10.14.1"), dict(gpu_name="NVIDIA A100"),
-                   dict(compute_capability="8.0"), dict(precision="bf16"), dict(profile=(1, 16, 32)), dict(graph="image")):
+                   dict(compute_capability="8.0"), dict(precision="bf16"), dict(profile=(1, 16, 32)), dict(graph="image"),
+                   dict(config_sha256="c" * 64)):
         assert _key(**change).digest() != _key().digest(), change
     # A golden value: the key must not drift between releases (engines on disk stay valid).
     assert _key().digest() == EngineKey(**{**_key().__dict__}).digest()
@@ -102,7 +110,7 @@ def test_build_engine_call_sequence(tmp_path):
     log: list = []
     trt = fake_trt(log)
     cache_file = tmp_path / "timing.cache"
-    cache_file.write_bytes(b"timing-v1")
+    write_timing_cache(cache_file, b"timing-v1")
     engine = build_engine(trt, tmp_path / "m.onnx", {"pixel_values": ("batch", 3, 32, 32)}, "fp16",
                           BatchProfile(1, 4, 16), 1 << 30, cache_file)
     assert engine == b"ENGINE"
@@ -111,7 +119,7 @@ def test_build_engine_call_sequence(tmp_path):
     assert ("profile", "set_shape", ("pixel_values", (1, 3, 32, 32), (4, 3, 32, 32), (16, 3, 32, 32))) in log
     assert ("config", "set_memory_pool_limit", ("WORKSPACE", 1 << 30)) in log
     assert ("config", "create_timing_cache", (b"timing-v1",)) in log
-    assert cache_file.read_bytes() == b"timing-v2"
+    assert read_timing_cache(cache_file) == b"timing-v2"
     flags = [args[0] for who, what, args in log if what == "set_flag"]
     assert flags == ["FP16", "OBEY"]
     kinds = {l.type: l.precision for l in trt._layers}
@@ -141,3 +149,146 @@ def test_engine_inputs_reads_symbolic_batch(tmp_path):
     pkg, _ = convert_checkpoint(GOLDEN / "softmoe_e4p2.npz", tmp_path / "p")
     export_onnx(pkg, tmp_path / "m.onnx", experts="batched", log=lambda *_: None)
     assert engine_inputs(tmp_path / "m.onnx") == {"pixel_values": ("batch", 3, 32, 32)}
+
+
+# ------------------------------------------------------------------ timing cache and engine cache
+
+
+def test_timing_cache_is_written_atomically(tmp_path, monkeypatch):
+    import os
+
+    cache_file = tmp_path / "timing.cache"
+    write_timing_cache(cache_file, b"old timings")
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (replaced.append((src, dst)), real_replace(src, dst)))
+    build_engine(fake_trt([]), tmp_path / "m.onnx", {"x": ("batch",)}, "fp16", BatchProfile(), 1, cache_file)
+    (src, dst), = replaced  # one temp file in the same directory, renamed over the cache
+    assert Path(dst) == cache_file and Path(src).parent == tmp_path and Path(src).name.endswith(".tmp")
+    assert read_timing_cache(cache_file) == b"timing-v2"
+
+    def crash(fd):  # the process dies between writing and publishing: the old cache stays whole
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    with pytest.raises(OSError, match="disk full"):
+        write_timing_cache(cache_file, b"new timings")
+    assert read_timing_cache(cache_file) == b"timing-v2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timing.cache"]  # no temp file left
+
+
+def test_corrupt_timing_cache_is_not_used(tmp_path):
+    cache_file = tmp_path / "timing.cache"
+    write_timing_cache(cache_file, b"timings " * 100)
+    data = bytearray(cache_file.read_bytes())
+    data[-10] ^= 0x20
+    cache_file.write_bytes(bytes(data))
+    lines, log = [], []
+    assert read_timing_cache(cache_file, lines.append) == b"" and "does not match its sha256" in lines[0]
+    cache_file.write_bytes(b"raw bytes of another writer")
+    build_engine(fake_trt(log), tmp_path / "m.onnx", {"x": ("batch",)}, "fp16", BatchProfile(), 1, cache_file, log=lines.append)
+    assert ("config", "create_timing_cache", (b"",)) in log  # a fresh cache, then rewritten whole
+    assert read_timing_cache(cache_file) == b"timing-v2"
+
+
+@pytest.fixture(scope="module")
+def tiny_package(tmp_path_factory, golden_dir):
+    from conftest import GOLDEN
+    from softmoe_models.convert import convert_checkpoint
+
+    pkg, _ = convert_checkpoint(GOLDEN / "softmoe_e4p2.npz", tmp_path_factory.mktemp("trt") / "pkg")
+    return pkg
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """The recording ``tensorrt`` stand-in, a pretend GPU, and an engine check that runs no CUDA."""
+    import sys
+
+    import export.tensorrt as trt_export
+
+    calls: dict[str, list] = {"build": [], "verify": []}
+    trt = fake_trt([])
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setattr(trt_export, "gpu_identity", lambda: ("NVIDIA H100 80GB HBM3", "9.0"))
+    real_build = trt_export.build_engine
+
+    def build(*args, **kw):
+        calls["build"].append(args[1])
+        return real_build(*args, **kw)
+
+    def verify(trt, engine, onnx_path, profile, precision, tol_fn, log):
+        calls["verify"].append(engine)
+        assert engine.read_bytes() == b"ENGINE" and onnx_path.is_file()
+        if calls.get("fail"):
+            raise ExportError(f"{engine}: engine output logits differs from ONNX Runtime by 1e-1 > 1e-2")
+
+    monkeypatch.setattr(trt_export, "build_engine", build)
+    monkeypatch.setattr(trt_export, "_verify_engine", verify)
+    return calls
+
+
+def _entries(root):
+    return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+
+def test_engines_are_verified_in_a_temp_dir_then_published_and_reused(tiny_package, stand_in, tmp_path):
+    from export import cache
+    from export.tensorrt import export_tensorrt
+
+    before = sorted(p.name for p in tiny_package.iterdir())
+    lines: list[str] = []
+    engines = export_tensorrt(tiny_package, tmp_path / "engines", log=lines.append)
+    (engine,) = engines
+    assert engine.name.startswith("classifier-fp16-") and engine.read_bytes() == b"ENGINE"
+    assert json.loads(engine.with_suffix(".json").read_text())["config_sha256"] == cache.file_sha256(tiny_package / "config.json")
+    (verified,) = stand_in["verify"]
+    assert verified.parent.name.startswith(".tmp-") and verified.name == engine.name  # checked before publishing
+    assert sorted(p.name for p in engine.parent.iterdir()) == sorted([engine.name, engine.with_suffix(".json").name, cache.MANIFEST])
+    assert cache.lookup(engine.parent.parent, engine.parent.name) is not None
+    assert export_tensorrt(tiny_package, tmp_path / "engines", log=lines.append) == engines
+    assert len(stand_in["build"]) == 1 and any("reusing cached engine" in line for line in lines)
+    assert sorted(p.name for p in tiny_package.iterdir()) == before  # nothing written into the package
+    assert read_timing_cache(tmp_path / "engines" / "timing-10.13.0-9.0.cache") == b"timing-v2"
+
+
+def test_engine_failing_verification_is_never_published(tiny_package, stand_in, tmp_path):
+    from export.tensorrt import export_tensorrt
+
+    stand_in["fail"] = True
+    with pytest.raises(ExportError, match="differs from ONNX Runtime"):
+        export_tensorrt(tiny_package, tmp_path / "engines", log=lambda *_: None)
+    assert stand_in["verify"] and not stand_in["verify"][0].exists()
+    assert _entries(tmp_path / "engines") == []  # no entry, no temp dir
+    stand_in["fail"] = False
+    (engine,) = export_tensorrt(tiny_package, tmp_path / "engines", log=lambda *_: None)
+    assert len(stand_in["build"]) == 2 and engine.read_bytes() == b"ENGINE"
+
+
+@pytest.mark.parametrize("corrupt", ["flip", "truncate", "no-manifest"])
+def test_corrupt_cached_engine_is_rebuilt(tiny_package, stand_in, tmp_path, corrupt):
+    from export import cache
+    from export.tensorrt import export_tensorrt
+
+    (engine,) = export_tensorrt(tiny_package, tmp_path / "engines", log=lambda *_: None)
+    if corrupt == "flip":
+        engine.write_bytes(b"ENGINF")
+    elif corrupt == "truncate":
+        engine.write_bytes(b"ENG")
+    else:
+        (engine.parent / cache.MANIFEST).unlink()
+    lines: list[str] = []
+    (again,) = export_tensorrt(tiny_package, tmp_path / "engines", log=lines.append)
+    assert again == engine and again.read_bytes() == b"ENGINE"
+    assert len(stand_in["build"]) == 2 and len(stand_in["verify"]) == 2
+    assert any("rebuilding" in line for line in lines)
+    assert _entries(tmp_path / "engines") == [engine.parent.name]
+
+
+def test_default_engine_cache_is_outside_the_package(tiny_package, stand_in, tmp_path, monkeypatch):
+    from export.tensorrt import export_tensorrt
+
+    monkeypatch.setenv("SOFTMOE_CACHE_DIR", str(tmp_path / "volume"))
+    (engine,) = export_tensorrt(tiny_package, log=lambda *_: None)
+    assert engine.parent.parent == tmp_path / "volume" / "engines"
+    assert not (tiny_package / "engines").exists()

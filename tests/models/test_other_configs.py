@@ -70,7 +70,7 @@ def test_config_inference(name):
 def test_two_tower_other_config(tmp_path):
     params = ref.random_two_tower_params(seed=3, d=40, text_d=24, vocab=77, max_len=10, heads=4, n=5, p=2)
     np.savez(tmp_path / "tt.npz", **{f"params/{k}": v for k, v in params.items()})
-    pkg, _ = convert_checkpoint(tmp_path / "tt.npz", tmp_path / "pkg")
+    pkg, _ = convert_checkpoint(tmp_path / "tt.npz", tmp_path / "pkg", text_pool="last")
     model = load_model(pkg)
     images = _images({}, batch=2)
     ids = np.random.default_rng(1).integers(0, 77, (4, 10))

@@ -331,7 +331,7 @@ def test_deterministic_failure_is_bisected_and_fails_its_item_only(served):
     assert [r.status_code for r in rs].count(200) == 7
     _refused(rs[5], 500, "fails again", "secret-value-detail", "ValueError")
     assert "retry-after" not in rs[5].headers  # the same input fails the same way: no retry advice
-    assert all(s == 8 for s in shapes)  # strict: every retry at the one padded shape
+    assert set(shapes) <= set(queue.shapes)  # strict: every retry at a proven padded shape
     # One poisoned item among n: bisection takes at most 1 + 2 * log2(n) calls, not 1 + n.
     assert len(shapes) <= 7, shapes
     alone = httpx.post(f"{url}/v1/classify", json={"images": [b64(png(goods[1]))]}, timeout=30)

@@ -36,7 +36,7 @@ def server(tmp_path_factory, golden_dir):
 
     root = tmp_path_factory.mktemp("client-models")
     golden, _ = convert_checkpoint(GOLDEN / "softmoe_e8p1.npz", root / "golden")
-    tt, _ = convert_checkpoint(GOLDEN / "twotower.npz", root / "tt")
+    tt, _ = convert_checkpoint(GOLDEN / "twotower.npz", root / "tt", text_pool="last")
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
