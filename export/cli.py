@@ -43,7 +43,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     t = targets.add_parser("tensorrt", help="TensorRT engine(s) built on this GPU, cached and verified")
     t.add_argument("package", type=Path)
-    t.add_argument("--out", type=Path, help="engine cache directory (default PACKAGE/engines)")
+    t.add_argument("--out", type=Path, help="engine cache directory (default: $SOFTMOE_CACHE_DIR, else ~/.cache/softmoe-serve)")
     t.add_argument("--precision", choices=["fp16", "bf16", "fp32"], default="fp16")
     t.add_argument("--min-batch", type=int, default=1)
     t.add_argument("--opt-batch", type=int, default=8)

@@ -60,7 +60,7 @@ class Settings(BaseSettings):
         description="pixels one image may decode to (4096x4096; read from the file's header, 413 before decoding)",
     )
     max_request_pixels: int = Field(
-        33_554_432, ge=1,
+        25_165_824, ge=1,
         description="pixels all images of one request may decode to together (413 before decoding)",
     )
     max_text_rows_per_request: int = Field(
