@@ -22,6 +22,16 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
         raise MissingExtraError(
             "onnxruntime is not installed: pip install 'softmoe-serve[cpu]' (or '[gpu]' for onnxruntime-gpu)"
         ) from None
+    opts = session_options(threads)
+    return ort.InferenceSession(str(path), sess_options=opts, providers=providers or ["CPUExecutionProvider"])
+
+
+def session_options(threads: int | None = None):
+    """The SessionOptions every session here uses: full graph optimisation, a fixed intra-op
+    thread count (the CPUs this process may use by default), one inter-op thread, sequential
+    execution, no spinning, warnings off."""
+    import onnxruntime as ort
+
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.intra_op_num_threads = threads or max(1, len(os.sched_getaffinity(0)))
@@ -29,4 +39,4 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.log_severity_level = 3
-    return ort.InferenceSession(str(path), sess_options=opts, providers=providers or ["CPUExecutionProvider"])
+    return opts

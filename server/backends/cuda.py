@@ -16,7 +16,6 @@ page (provider options, ``preload_dlls``, CUDA graphs with I/O binding) and its 
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -290,13 +289,9 @@ def ort_cuda_session(path: str | Path, *, device_id: int = 0, cuda_graph: bool =
     """
     import onnxruntime as ort
 
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.intra_op_num_threads = threads or max(1, len(os.sched_getaffinity(0)))
-    opts.inter_op_num_threads = 1
-    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    opts.log_severity_level = 3
+    from export.runtime import session_options
+
+    opts = session_options(threads)
     opts.use_deterministic_compute = True
     if strict_placement:
         opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")

@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from loadtests.gpu_check import (
     BATCH, DIGITS, PRECISIONS, ort_backend, ort_cuda_available, parity, run_fixed, torch_backend,
 )
 
 from gpu_fixtures import cache_dir, cpu_reference, heldout_set, midsize  # noqa: F401 - fixtures
+from helpers.dtypes import Dtypes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -47,22 +47,11 @@ def test_onnxruntime_cuda_parity(precision, heldout_set, cpu_reference, cache_di
     assert result["ok"], result
 
 
-class _Dtypes(TorchFunctionMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, torch.dtype]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in ("layer_norm", "softmax", "rsqrt") and args and isinstance(args[0], torch.Tensor):
-            self.seen.append((name, args[0].dtype))
-        return func(*args, **(kwargs or {}))
-
 
 def test_auto_precision_and_fp32_norms_on_cuda():
     backend = torch_backend(DIGITS, cuda_graphs=False)  # eager: a replayed graph calls no Python
     assert backend.precision == ("bf16" if torch.cuda.get_device_capability()[0] >= 8 else "fp16")
-    with _Dtypes() as mode:
+    with Dtypes() as mode:
         backend.run("classify", {"pixel_values": np.zeros((BATCH, 3, 8, 8), np.float32)})
     assert {n for n, _ in mode.seen} >= {"layer_norm", "softmax", "rsqrt"}
     assert all(dt == torch.float32 for _, dt in mode.seen), mode.seen

@@ -602,7 +602,6 @@ def test_stop_while_busy_finishes_the_rest(make):
 
 def test_backend_returning_too_few_rows_fails_its_items_and_keeps_the_worker():
     """Regression: an error while splitting results must not kill the worker or strand futures."""
-    from server.errors import BackendFailure
 
     async def main():
         calls = []

@@ -16,7 +16,6 @@ import onnx
 import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
-from torch.overrides import TorchFunctionMode
 
 from server.backends import cuda
 from server.backends.cuda import DeviceUnavailableError, resolve_precision
@@ -24,6 +23,7 @@ from server.backends.onnxruntime_backend import OnnxRuntimeBackend
 from server.backends.torch_backend import TorchBackend
 from server.batching.batcher import FatalBackendError
 from server.registry import ModelLoadError
+from helpers.dtypes import Dtypes
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "server" / "default_models" / "digits"
@@ -90,25 +90,12 @@ def test_torch_describe_on_cpu():
     assert (d["backend"], d["device"], d["precision"], d["dtype"]) == ("torch", "cpu", "fp32", "float32")
 
 
-class _Dtypes(TorchFunctionMode):
-    """Records the input dtype of every LayerNorm, softmax and rsqrt call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[str, torch.dtype]] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in ("layer_norm", "softmax", "rsqrt") and args and isinstance(args[0], torch.Tensor):
-            self.seen.append((name, args[0].dtype))
-        return func(*args, **(kwargs or {}))
-
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_norms_and_softmax_in_fp32_under_low_precision(precision):
     backend = TorchBackend(DIGITS, precision=precision)
     assert next(backend.model.parameters()).dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    with _Dtypes() as mode:
+    with Dtypes() as mode:
         out = backend.run("classify", {"pixel_values": _pixels()})
     names = {n for n, _ in mode.seen}
     assert {"layer_norm", "softmax", "rsqrt"} <= names, names
