@@ -21,6 +21,7 @@ import contextlib
 import logging
 import signal
 import socket
+import sys
 import threading
 from types import FrameType
 
@@ -213,7 +214,8 @@ def serve(settings: Settings) -> None:
     levels = list(uvicorn.config.LOG_LEVELS)
     if settings.log_level.lower() not in levels:
         raise StartupError(f"--log-level {settings.log_level}: expected one of {', '.join(levels)}")
-    logging.basicConfig(level=uvicorn.config.LOG_LEVELS[settings.log_level.lower()],
+    # The server's log goes to stdout; stderr carries only a start-up failure's one `error:` line.
+    logging.basicConfig(level=uvicorn.config.LOG_LEVELS[settings.log_level.lower()], stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = bind_socket(settings.host, settings.port)
     try:

@@ -264,7 +264,8 @@ def test_every_rejection_reason_is_a_series_from_a_fresh_start(url):
         for reason in REJECT_REASONS:
             assert _metric(url, "softmoe_requests_rejected_total", model=model, reason=reason) is not None, (model, reason)
     assert _metric(url, "softmoe_images_total", model="digits", endpoint="classify") is not None
-    assert _metric(url, "softmoe_backend_info", model="digits", backend="torch", device="cpu") == 1
+    assert _metric(url, "softmoe_backend_info", model="digits", backend="onnxruntime", device="cpu",
+                   provider="CPUExecutionProvider") == 1  # auto: onnxruntime on cpu
     assert _metric(url, "softmoe_worker_alive") == 1
 
 

@@ -88,7 +88,7 @@ def test_invalid_values_name_the_flag_or_the_env_var():
     line = one_error_line(softmoe("serve", env=_clean_env(SOFTMOE_PORT="70000")))
     assert line == "error: SOFTMOE_PORT: Input should be less than or equal to 65535"
     line = one_error_line(softmoe("serve", "--backend", "jax"))
-    assert line.startswith("error: --backend: Input should be 'torch', 'onnxruntime' or 'tensorrt'")
+    assert line.startswith("error: --backend: Input should be 'auto', 'torch', 'onnxruntime' or 'tensorrt'")
     assert "--prot" in one_error_line(softmoe("serve", "--prot", "1"))
     assert one_error_line(softmoe("serve", "--models", "[x")).startswith("error: --models: ")
     line = one_error_line(softmoe("serve", env=_clean_env(SOFTMOE_MODELS="a,b")))
