@@ -5,14 +5,17 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: setup sysdeps serve test bench clean
+.PHONY: setup sysdeps serve test bench gpu-check clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt
+# Every package from the hash-locked requirements/dev.lock (requirements/compile.sh writes it),
+# then the project itself, editable, with nothing more resolved or fetched.
+$(STAMP): pyproject.toml requirements/dev.lock
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q --require-hashes --no-deps -r requirements/dev.lock
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -m pip check
 	touch $(STAMP)
 
 serve: setup
@@ -24,6 +27,14 @@ test: setup sysdeps
 bench: setup
 	$(BIN)/python -m loadtests.bench
 
+# GPU tests, parity, determinism and timings, ending with one JSON line (loadtests/gpu_check.py).
+# Installs nothing except, with WHEELS=DIR, the wheels in DIR (offline). Without a CUDA device it
+# prints one line and the command exits 77 (make then reports "Error 77" and itself exits 2).
+# GPU_PY: an interpreter with a CUDA build of torch (default: the venv's, else $(PY)).
+GPU_PY ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY))
+gpu-check:
+	@$(GPU_PY) -m loadtests.gpu_check $(if $(WHEELS),--wheels $(WHEELS))
+
 clean:
 	rm -rf $(VENV) build *.egg-info
 
@@ -31,3 +42,16 @@ clean:
 sysdeps:
 	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
+
+# Locks and images (docs/gpu-stack.md). `lock` regenerates requirements/*.lock and constraints.txt;
+# `base-image` makes softmoe-base/debian:bookworm from Debian packages (no image registry needed);
+# `image-check` builds both images with BuildKit and checks them (needs a Docker engine).
+.PHONY: lock base-image image-check
+lock: setup
+	requirements/compile.sh
+
+base-image:
+	deploy/images/make-base.sh
+
+image-check:
+	deploy/images/check.sh
