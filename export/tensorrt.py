@@ -5,12 +5,14 @@ index) and the GPU machine we can borrow has none. Everything up to the ``tensor
 boundary is tested: profile shapes, cache keys, the ONNX it consumes, the sequence of builder
 calls (against a recording stand-in of the API), and the error when the extra is missing.
 
-Flow: package -> fp32 ONNX with batched experts (verified by ``export.onnx``) -> builder with one
-optimization profile over the batch dimension, a persistent timing cache, TF32 off for fp32,
-fp16/bf16 flags with the Soft MoE normalisation and softmax layers held in fp32 -> engine cached
-under a key of (weights sha256, TensorRT version, GPU name, compute capability, precision,
-profile, plus config.json, exporter versions and the ONNX settings) -> verification of the engine
-against ONNX Runtime at the profile's min and opt batch -> only then published.
+Flow: package -> ONNX at the engine's precision with batched experts (verified by
+``export.onnx``; fp16/bf16 graphs keep the Soft MoE normalisation, softmaxes and LayerNorms in
+fp32 by explicit Casts) -> a strongly typed network (the graph's types decide; no weak-typing
+precision flags) with one optimization profile over the batch dimension, a persistent timing
+cache, TF32 off -> engine cached under a key of (weights sha256, TensorRT version, GPU name,
+compute capability, precision, profile, plus config.json, exporter versions and the ONNX
+settings) -> verification of the engine against fp32 PyTorch at the profile's min, opt and max
+batch, text engines on the package's tokenizer applied to real prompts -> only then published.
 
 Cache (``export.cache``): the engines of a package are one entry under ``ROOT/engines`` (ROOT is
 ``--cache-dir``/``$SOFTMOE_CACHE_DIR``, else ``~/.cache/softmoe-serve``; never inside the package,
@@ -103,10 +105,6 @@ def gpu_identity() -> tuple[str, str]:
     return torch.cuda.get_device_name(0), f"{major}.{minor}"
 
 
-# Layer types whose math must stay fp32 in reduced-precision builds: the Soft MoE token norm
-# (sum of squares overflows fp16 past norm 256), softmaxes, LayerNorms.
-FP32_LAYER_TYPES = ("REDUCE", "SOFTMAX", "NORMALIZATION", "UNARY")
-
 
 def build_engine(
     trt: Any,
@@ -118,13 +116,19 @@ def build_engine(
     timing_cache: Path,
     log=print,
 ) -> bytes:
-    """Parse ``onnx_path`` and build a serialized engine.
+    """Parse ``onnx_path`` into a strongly typed network and build a serialized engine.
+
+    Strongly typed (TensorRT's replacement for the weak-typing precision flags, deprecated in
+    10.12 and gone in 11): every tensor keeps the type the ONNX graph gives it, so the graph
+    exported at the target precision decides what runs in fp16/bf16 and what stays fp32 (the
+    Soft MoE token norm, softmaxes and LayerNorms, held in fp32 by explicit Casts at export); the
+    builder may not pick a lower precision on its own. TF32 stays off for the fp32 parts.
 
     Args:
         trt: the ``tensorrt`` module.
-        onnx_path: the fp32 graph (external data next to it is found by the parser).
+        onnx_path: the graph exported at ``precision`` (external data next to it is found).
         inputs: input name -> shape with symbolic batch dims.
-        precision: fp32 (TF32 disabled), fp16 or bf16.
+        precision: fp32, fp16 or bf16: the precision ``onnx_path`` was exported at.
         profile: the batch optimization profile.
         workspace_bytes: workspace memory pool limit.
         timing_cache: loaded if present and its sha256 matches, written back atomically after
@@ -133,25 +137,15 @@ def build_engine(
     """
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)  # explicit batch is the only mode in TensorRT 10
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise ExportError(f"TensorRT could not parse {onnx_path}: {errors or 'unknown error'}")
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
-    if precision == "fp32":
-        config.clear_flag(trt.BuilderFlag.TF32)  # TF32 alone exceeds the 1e-4 parity budget
-    else:
-        config.set_flag(trt.BuilderFlag.FP16 if precision == "fp16" else trt.BuilderFlag.BF16)
-        config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
-        keep = {getattr(trt.LayerType, name) for name in FP32_LAYER_TYPES}
-        for i in range(network.num_layers):
-            layer = network.get_layer(i)
-            if layer.type in keep:
-                layer.precision = trt.float32
-                for j in range(layer.num_outputs):
-                    layer.set_output_type(j, trt.float32)
+    config.clear_flag(trt.BuilderFlag.TF32)  # TF32 alone exceeds the fp32 parity budget
+    log(f"building a strongly typed {precision} engine from {onnx_path.name}")
     opt_profile = builder.create_optimization_profile()
     for name, shape in inputs.items():
         lo, mid, hi = profile.shapes(shape)
@@ -267,7 +261,9 @@ def export_tensorrt(
         weights_sha256=digests["model.safetensors"], graph=role, tensorrt_version=trt.__version__, gpu_name=gpu_name,
         compute_capability=capability, precision=precision, profile=(profile.min, profile.opt, profile.max),
         workspace_bytes=int(workspace_gib * 2**30), config_sha256=digests["config.json"]) for role in roles}
-    onnx_settings = dict(opset=DEFAULT_OPSET, precision="fp32", experts="batched", towers="split")
+    # The graph at the engine's precision (strongly typed networks take their types from it),
+    # batched experts (one matmul over the stacked experts: what wins on GPU).
+    onnx_settings = dict(opset=DEFAULT_OPSET, precision=precision, experts="batched", towers="split")
     inputs = {
         "artifact": "tensorrt",
         "package": digests,
@@ -281,8 +277,9 @@ def export_tensorrt(
     timing = root / f"timing-{trt.__version__}-{capability}.cache"
 
     def build(tmp: Path) -> list[str]:
-        work = tmp / "onnx"  # the fp32 graphs the engines come from; not part of the entry
-        exported = {f.role: f for f in export_onnx(package, work / "fp32.onnx", log=log, **onnx_settings)}
+        work = tmp / "onnx"  # the graphs the engines come from; not part of the entry
+        exported = {f.role: f for f in export_onnx(package, work / f"{precision}.onnx", log=log, **onnx_settings)}
+        reference = _fp32_reference(package)
         names = []
         for role, key in keys.items():
             onnx_path = exported[role].path
@@ -290,7 +287,8 @@ def export_tensorrt(
             engine.write_bytes(build_engine(trt, onnx_path, engine_inputs(onnx_path), precision, profile,
                                             key.workspace_bytes, timing, log=log))
             engine.with_suffix(".json").write_text(json.dumps(asdict(key), indent=1) + "\n")
-            _verify_engine(trt, engine, onnx_path, profile, precision, tolerance, log)  # raises: nothing published
+            feeds = verification_inputs(package, role, engine_inputs(onnx_path), profile)
+            _verify_engine(trt, engine, reference[role], feeds, precision, tolerance, log)  # raises: nothing published
             log(f"built and verified {engine.name}")
             names.append(engine.name)
         shutil.rmtree(work)
@@ -335,27 +333,84 @@ def engine_inputs(onnx_path: Path) -> dict[str, tuple[int | str, ...]]:
     return out
 
 
-def _verify_engine(trt, engine: Path, onnx_path: Path, profile: BatchProfile, precision: str, tol_fn, log) -> None:
-    """The engine against ONNX Runtime (itself verified against PyTorch) at min and opt batch."""
+def _fp32_reference(package: Path) -> dict[str, Any]:
+    """role -> a function of torch feeds giving the fp32 PyTorch outputs (the ground truth)."""
     import torch
 
-    from .runtime import ort_session
+    from softmoe_models.package import load_model
 
-    runner = EngineRunner(trt, engine.read_bytes())
-    session = ort_session(onnx_path)
-    inputs = engine_inputs(onnx_path)
-    for batch in sorted({profile.min, profile.opt}):
-        gen = torch.Generator().manual_seed(batch)
-        feeds = {}
-        for name, shape in inputs.items():
+    from .graphs import graphs_for
+
+    graphs = graphs_for(load_model(package), torch.float32)
+
+    def runner(graph):
+        def run(feeds: dict[str, Any]) -> dict[str, Any]:
+            with torch.inference_mode():
+                out = graph.module(*(feeds[spec.name] for spec in graph.inputs))
+            outs = out if isinstance(out, tuple) else (out,)
+            return dict(zip(graph.outputs, outs))
+        return run
+
+    return {role: runner(g) for role, g in graphs.items()}
+
+
+# Prompts for verifying text engines on real tokenised text (the package's labels fill them when
+# it has labels): punctuation, case, digits and long prompts that reach the sticky-EOS position.
+VERIFY_PROMPTS = (
+    "a photo of a {}.", "A PICTURE of the {}!", "an image of a small {}, taken at night", "{}",
+    "This is a photo of {} number 7 (seven) in a very long caption that keeps on going well past the "
+    "tokenizer's maximum length so the last position holds the sticky EOS token",
+)
+VERIFY_WORDS = ("cat", "dog", "zero", "one", "tree", "house", "bird", "boat")
+
+
+def verification_inputs(package: Path, role: str, shapes: dict[str, tuple[int | str, ...]],
+                        profile: BatchProfile, seed: int = 0) -> list[dict[str, Any]]:
+    """Feeds at the profile's min, opt and max batch: image-like values in [-1, 1] for pixel
+    inputs, and for text the package's tokenizer on real prompts (random valid ids where the
+    package has no tokenizer), never the {0, 1} ids that a text engine could pass by accident."""
+    import torch
+
+    from softmoe_models.package import read_package
+
+    pkg = read_package(package)
+    tokenizer = None
+    if role == "text" and pkg.tokenizer_path is not None:
+        from softmoe_models.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_contract(pkg.tokenizer_path, pkg.text)
+    words = list(pkg.labels or VERIFY_WORDS)
+    prompts = [t.replace("{}", w) for w in words for t in VERIFY_PROMPTS]
+    feeds = []
+    for batch in sorted({profile.min, profile.opt, profile.max}):
+        gen = torch.Generator().manual_seed(seed + batch)
+        feed = {}
+        for name, shape in shapes.items():
             concrete = tuple(batch if isinstance(d, str) else d for d in shape)
-            feeds[name] = (torch.randint(0, 2, concrete, generator=gen) if name == "input_ids"
-                           else torch.rand(concrete, generator=gen) * 2 - 1)
-        want = dict(zip(runner.outputs, session.run(runner.outputs, {k: v.numpy() for k, v in feeds.items()})))
-        got = runner(feeds)
+            if name == "input_ids":
+                if tokenizer is not None:
+                    rows = [prompts[(i * 7 + batch) % len(prompts)] for i in range(batch)]
+                    feed[name] = torch.from_numpy(tokenizer(rows).astype("int64"))
+                else:
+                    vocab = int(pkg.config.text.vocab_size)
+                    feed[name] = torch.randint(0, vocab, concrete, generator=gen)
+            else:
+                feed[name] = torch.rand(concrete, generator=gen) * 2 - 1
+        feeds.append(feed)
+    return feeds
+
+
+def _verify_engine(trt, engine: Path, reference, feeds: list[dict[str, Any]], precision: str, tol_fn, log) -> None:
+    """The engine against fp32 PyTorch on ``feeds`` (every batch size of the profile)."""
+    runner = EngineRunner(trt, engine.read_bytes())
+    for feed in feeds:
+        batch = next(iter(feed.values())).shape[0]
+        want = reference(feed)
+        got = runner(feed)
         for name in runner.outputs:
-            err = float((got[name].double() - torch.from_numpy(want[name]).double()).abs().max())
-            tol = tol_fn(precision, float(abs(want[name]).max()))
+            ref = want[name].double()
+            err = float((got[name].double() - ref).abs().max())
+            tol = tol_fn(precision, float(ref.abs().max()))
             log(f"verify engine {engine.name} {name} batch {batch}: max abs err {err:.2e} (tol {tol:.0e})")
             if err > tol:
-                raise ExportError(f"{engine}: engine output {name} differs from ONNX Runtime by {err:.2e} > {tol:.0e}")
+                raise ExportError(f"{engine}: engine output {name} differs from fp32 PyTorch by {err:.2e} > {tol:.0e}")

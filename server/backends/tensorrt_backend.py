@@ -10,14 +10,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import FunctionSpec, InputSpec, Rows, warm
+from .base import ROUTING, FunctionSpec, InputSpec, Rows, warm
 
 
 class TensorRTBackend:
     name = "tensorrt"
 
-    def __init__(self, package: Path, *, precision: str = "fp16", max_batch_size: int = 8, cache_dir: str = "") -> None:
-        from export.tensorrt import BatchProfile, EngineRunner, engine_inputs, export_tensorrt, import_tensorrt
+    def __init__(self, package: Path, *, precision: str = "fp16", max_batch_size: int = 8, cache_dir: str = "",
+                 routing: bool = True) -> None:
+        """Engines for ``package``; a ``routing`` engine, where ``export_tensorrt`` built one, serves
+        the routing function (unless ``routing`` is False)."""
+        from export.tensorrt import BatchProfile, EngineRunner, export_tensorrt, import_tensorrt
 
         trt = import_tensorrt()
         import torch
@@ -27,18 +30,24 @@ class TensorRTBackend:
         out = Path(cache_dir) / "engines" if cache_dir else None
         engines = export_tensorrt(package, out, precision=precision, profile=profile)
         self.runners, self.functions = {}, {}
+        self.routing: FunctionSpec | None = None
         for engine in engines:
             role = engine.name.split("-")[0]
             fn = {"classifier": "classify"}.get(role, role)
             runner = EngineRunner(trt, engine.read_bytes())
-            onnx_file = engine.parent / ("fp32.onnx" if role == "classifier" else f"fp32.{role}.onnx")
-            shapes = engine_inputs(onnx_file) if onnx_file.is_file() else _shapes_from_engine(runner)
+            shapes = _shapes_from_engine(runner)  # the ONNX the engine came from is not kept in the cache
+            if fn == ROUTING and not routing:
+                continue
             self.runners[fn] = runner
-            self.functions[fn] = FunctionSpec(
+            spec = FunctionSpec(
                 tuple(InputSpec(n, tuple(int(d) for d in s[1:]), np.dtype(np.int64 if n == "input_ids" else np.float32))
                       for n, s in shapes.items()),
                 tuple(runner.outputs),
             )
+            if fn == ROUTING:
+                self.routing = spec
+            else:
+                self.functions[fn] = spec
         self._torch = torch
 
     def run(self, fn: str, inputs: Rows) -> Rows:  # noqa: D102

@@ -92,6 +92,7 @@ def fake_trt(log, parse_ok=True, layers=("MATRIX_MULTIPLY", "REDUCE", "SOFTMAX")
     trt.Logger = type("Logger", (), {"WARNING": 2, "__init__": lambda self, level: None})
     trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE="WORKSPACE")
     trt.BuilderFlag = types.SimpleNamespace(TF32="TF32", FP16="FP16", BF16="BF16", OBEY_PRECISION_CONSTRAINTS="OBEY")
+    trt.NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=5)
     trt.LayerType = types.SimpleNamespace(**{k: k for k in ("MATRIX_MULTIPLY", "REDUCE", "SOFTMAX", "NORMALIZATION", "UNARY")})
     net_layers = [_Layer(log, k) for k in layers]
     network = types.SimpleNamespace(num_layers=len(net_layers), get_layer=lambda i: net_layers[i])
@@ -115,15 +116,16 @@ def test_build_engine_call_sequence(tmp_path):
                           BatchProfile(1, 4, 16), 1 << 30, cache_file)
     assert engine == b"ENGINE"
     calls = [(who, what) for who, what, _ in log]
-    assert ("config", "set_flag") in calls and ("config", "add_optimization_profile") in calls
+    assert ("config", "add_optimization_profile") in calls
     assert ("profile", "set_shape", ("pixel_values", (1, 3, 32, 32), (4, 3, 32, 32), (16, 3, 32, 32))) in log
     assert ("config", "set_memory_pool_limit", ("WORKSPACE", 1 << 30)) in log
     assert ("config", "create_timing_cache", (b"timing-v1",)) in log
     assert read_timing_cache(cache_file) == b"timing-v2"
-    flags = [args[0] for who, what, args in log if what == "set_flag"]
-    assert flags == ["FP16", "OBEY"]
-    kinds = {l.type: l.precision for l in trt._layers}
-    assert kinds == {"MATRIX_MULTIPLY": None, "REDUCE": "float32", "SOFTMAX": "float32"}
+    # Strongly typed: the fp16 graph's own types decide; no weak-typing flags, no per-layer pins.
+    assert ("builder", "create_network", (1 << 5,)) in log
+    assert not [a for w, what, a in log if what == "set_flag"]
+    assert ("config", "clear_flag", ("TF32",)) in log
+    assert all(l.precision is None for l in trt._layers)
 
 
 def test_build_engine_fp32_disables_tf32(tmp_path):
@@ -217,9 +219,10 @@ def stand_in(monkeypatch):
         calls["build"].append(args[1])
         return real_build(*args, **kw)
 
-    def verify(trt, engine, onnx_path, profile, precision, tol_fn, log):
+    def verify(trt, engine, reference, feeds, precision, tol_fn, log):
         calls["verify"].append(engine)
-        assert engine.read_bytes() == b"ENGINE" and onnx_path.is_file()
+        calls.setdefault("feeds", []).append(feeds)
+        assert engine.read_bytes() == b"ENGINE" and callable(reference) and feeds
         if calls.get("fail"):
             raise ExportError(f"{engine}: engine output logits differs from ONNX Runtime by 1e-1 > 1e-2")
 
@@ -292,3 +295,31 @@ def test_default_engine_cache_is_outside_the_package(tiny_package, stand_in, tmp
     (engine,) = export_tensorrt(tiny_package, log=lambda *_: None)
     assert engine.parent.parent == tmp_path / "volume" / "engines"
     assert not (tiny_package / "engines").exists()
+
+
+def test_text_engines_are_verified_on_real_tokenised_prompts(packages):
+    """Text engines see the package tokenizer's ids of real prompts at every profile batch, not {0, 1}."""
+    from export.tensorrt import BatchProfile, verification_inputs
+
+    feeds = verification_inputs(packages["tt-tok"], "text", {"input_ids": ("batch", 16)}, BatchProfile(1, 4, 8))
+    assert [f["input_ids"].shape[0] for f in feeds] == [1, 4, 8]
+    ids = feeds[-1]["input_ids"]
+    assert int(ids.max()) > 1 and len({tuple(r.tolist()) for r in ids}) > 1  # real, varied token ids
+    assert (ids[:, -1] == 1).any()  # a long prompt reaches the sticky EOS (id 1) at the last position
+    images = verification_inputs(packages["golden"], "classifier", {"pixel_values": ("batch", 3, 32, 32)},
+                                 BatchProfile(2, 2, 2))
+    x = images[0]["pixel_values"]
+    assert x.shape == (2, 3, 32, 32) and float(x.min()) >= -1 and float(x.max()) <= 1
+
+
+def test_fp32_reference_matches_the_package_model(packages):
+    import torch
+
+    from export.tensorrt import BatchProfile, _fp32_reference, verification_inputs
+    from softmoe_models.package import load_model
+
+    ref = _fp32_reference(packages["tt-tok"])
+    feed = verification_inputs(packages["tt-tok"], "text", {"input_ids": ("batch", 16)}, BatchProfile(3, 3, 3))[0]
+    got = ref["text"](feed)
+    want = load_model(packages["tt-tok"]).encode_text(feed["input_ids"])
+    torch.testing.assert_close(next(iter(got.values())), want, rtol=0, atol=1e-6)
