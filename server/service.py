@@ -15,6 +15,7 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
+from softmoe_models import routing as routing_lib
 from softmoe_models.preprocess import preprocess_image
 
 from . import context
@@ -23,7 +24,7 @@ from .errors import BadRequest, ClientDisconnected, NotFound, ServiceError, Unav
 from .metrics import Metrics
 from .pipeline.decode import decode
 from .pipeline.probe import ImageInfo, budget, probe
-from .registry import ServedModel
+from .registry import ROUTING, ServedModel
 from .settings import Settings
 
 MAX_TEMPLATES = 32
@@ -178,12 +179,13 @@ class Service:
 
     # ------------------------------------------------------------------ stages
 
-    def probe_images(self, blobs: list[bytes], target_size: int | None, param: str = "images") -> list[ImageInfo]:
+    def probe_images(self, blobs: list[bytes], target_size: int | None, param: str = "images",
+                     draft: bool = True) -> list[ImageInfo]:
         """Every image's size from its header, and the request's pixel budget: 413 before decoding."""
         infos = []
         for i, data in enumerate(blobs):
             try:
-                infos.append(probe(data, target_size=target_size))
+                infos.append(probe(data, target_size=target_size, draft=draft))
             except ServiceError as e:
                 e.param = e.param or f"{param}[{i}]"
                 raise
@@ -202,14 +204,14 @@ class Service:
         if model.preprocess is None:
             raise Unprocessable(f"model {model.name!r} takes no images", param="model")
         cfg, loop = model.preprocess, asyncio.get_running_loop()
-        infos = await asyncio.to_thread(self.probe_images, blobs, cfg.image_size, param)
+        infos = await asyncio.to_thread(self.probe_images, blobs, cfg.image_size, param, cfg.jpeg_draft)
         deadline = context.deadline.get()
         max_pixels = self.settings.max_image_pixels
 
         def work(data: bytes, info: ImageInfo, i: int) -> tuple[np.ndarray, float, float]:
             t0 = time.perf_counter()
             try:
-                im = decode(data, cfg.image_size, max_pixels, deadline=deadline, info=info)
+                im = decode(data, cfg.image_size, max_pixels, deadline=deadline, info=info, draft=cfg.jpeg_draft)
             except ServiceError as e:
                 e.param = e.param or f"{param}[{i}]"
                 raise
@@ -293,6 +295,8 @@ class Service:
         finally:
             if watcher is not None:
                 watcher.cancel()
+        if model.routing is not None and fn == model.routing.plain:  # a sampled call's statistics
+            model.routing.record([r.outputs for r in results])
         timings.add("queue", [r.timings["queue"] for r in results])
         timings.add("inference", [r.timings["inference"] for r in results])
         for r in results:
@@ -315,6 +319,9 @@ class Service:
     async def classify(self, name, blobs, top_k, receive=None):
         t0, timings = time.perf_counter(), Timings()
         model = self.pick(name, "classify", "classify images")
+        if "logits" not in model.backend.functions["classify"].outputs:
+            raise Unprocessable(f"model {model.name!r} has no classifier head (features only): use /v1/embed",
+                                param="model")
         results = await self.image_results(model, "classify", blobs, timings, receive)
         t_post = time.perf_counter()
         out = []
@@ -473,6 +480,52 @@ class Service:
             results.append({"scores": [{"label": labels[j], "score": float(row[j])} for j in order]})
         self.finish(model, "zero_shot", timings, t_post, t0)
         return model, results, timings
+
+    async def routing(self, name, blobs, fmt: str, layers: list[int] | None, slots: int, receive=None):
+        """Per image, every Soft MoE layer's routing (``softmoe_models.routing``) through the
+        model's routing queue: ``(model, body, timings)`` with ``body`` the JSON-ready dict, or
+        the PNG bytes of the rendered sheet when ``fmt == 'png'``."""
+        t0, timings = time.perf_counter(), Timings()
+        model = self.pick(name, ROUTING, "show routing (it needs Soft MoE image layers and --routing)")
+        layout = model.routing.layout
+        unknown = sorted(set(layers or ()) - set(layout.layers))
+        if unknown:
+            raise Unprocessable(f"layer(s) {unknown} of model {model.name!r} are not Soft MoE layers; "
+                                f"those are {list(layout.layers)}", param="layers")
+        self.check_count(len(blobs), self.settings.max_images_per_request, "images", "images")
+        with self.reserve(model, ROUTING, len(blobs)) as held:
+            pixels = await self.pixel_rows(model, blobs, timings)
+            results = await self.run(model, ROUTING, [{"pixel_values": p} for p in pixels], timings, receive,
+                                     held=held, param="images")
+        t_post = time.perf_counter()
+        outputs = [r.outputs for r in results]
+        top = [self._top1(model, out) for out in outputs]
+        if fmt == "png":
+            captions = [f"pred {t['label']} ({t['score']:.2f})" if t else "" for t in top]
+            body = await asyncio.to_thread(routing_lib.render_png, layout, pixels, outputs,
+                                           model.preprocess.value_range, layers, slots, captions)
+        else:
+            per_image = await asyncio.to_thread(lambda: [routing_lib.image_routing(layout, o, layers) for o in outputs])
+            body = {"model": model.name, "grid": [layout.grid, layout.grid], "tokens": layout.tokens,
+                    "num_experts": layout.num_experts, "slots_per_expert": layout.slots_per_expert,
+                    "results": [{"prediction": t, "layers": r} for t, r in zip(top, per_image)]}
+        self.finish(model, "routing", timings, t_post, t0)
+        return model, body, timings
+
+    @staticmethod
+    def _top1(model: ServedModel, outputs: dict[str, np.ndarray]) -> dict | None:
+        """A classifier's top label (as /v1/classify scores it); None for image towers."""
+        if "logits" not in outputs:
+            return None
+        logits = outputs["logits"].astype(np.float64)
+        if model.head_activation == "sigmoid":
+            scores = 1 / (1 + np.exp(-logits))
+        else:
+            e = np.exp(logits - logits.max())
+            scores = e / e.sum()
+        i = int(np.argmax(scores))
+        labels = model.labels or [str(k) for k in range(len(scores))]
+        return {"label": labels[i], "index": i, "score": float(scores[i])}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)

@@ -77,7 +77,7 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise CLIError(f"tokenizer file not found: {args.tokenizer}")
     pkg, notices = convert_checkpoint(
         args.src, args.out, labels=labels, tokenizer=args.tokenizer, head_activation=args.head_activation,
-        text_pool=args.text_pool,
+        text_pool=args.text_pool, text_padding_mask=args.text_padding_mask,
     )
     for notice in notices:
         print(f"note: {notice}", file=sys.stderr)
@@ -153,8 +153,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image-size", type=int, default=224)
     p.set_defaults(func=cmd_models)
 
-    p = sub.add_parser("convert", help="convert a vmoe checkpoint (npz, legacy partitioned, orbax) to a package")
-    p.add_argument("src", help="a .npz file, a legacy checkpoint prefix (or its .index), or an orbax ckpt/<step> dir")
+    p = sub.add_parser("convert", help="convert a vmoe checkpoint (npz, legacy partitioned, orbax) or a Hugging Face "
+                                       "SigLIP directory to a package")
+    p.add_argument("src", help="a .npz file, a legacy checkpoint prefix (or its .index), an orbax ckpt/<step> dir, "
+                               "or a Hugging Face SigLIP directory (SiglipModel, SiglipVisionModel)")
     p.add_argument("--out", required=True, help="output package directory")
     p.add_argument("--labels", help="class names: a JSON list or one name per line")
     p.add_argument("--tokenizer", help="SentencePiece .model of the text tower (two-tower)")
@@ -162,6 +164,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text-pool", choices=TEXT_POOLS,
                    help="two-tower text pooling, the vmoe TextTransformer pool_type of the training config "
                         "('last' when it does not set it); required unless the parameters show it (map)")
+    p.add_argument("--text-padding-mask", choices=["auto", "on", "off"], default="auto",
+                   help="Hugging Face SigLIP: mask the text padding in attention (on: as transformers does when "
+                        "given the processor's attention_mask; off: as SigLIP was trained); auto: on when the "
+                        "checkpoint's tokenizer returns an attention_mask (default)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("init", help="write a randomly initialised package of a variant")

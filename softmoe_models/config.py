@@ -86,6 +86,10 @@ class TextConfig:
     num_classes: int | None = None  # head output width (the image width); None: no head
     pool_type: TextPool = "last"  # vmoe's default; converters must not assume it (no parameters show it)
     map_mlp_dim: int | None = None  # MAP head MLP width (pool_type 'map'); None = encoder mlp_dim
+    # None: every position attends to every position (vmoe, big_vision). An id: keys in the trailing
+    # run of this id are masked, as transformers' attention_mask does for a tokenizer that pads with
+    # its EOS (the run's first id, the EOS ending the text, is kept).
+    padding_mask_id: int | None = None
 
     def __post_init__(self) -> None:
         if self.pool_type not in TEXT_POOLS:

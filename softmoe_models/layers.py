@@ -68,12 +68,21 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         return x.view(b, n, self.num_heads, self.head_dim)  # (B, N, H, Dh)
 
-    def forward(self, x: torch.Tensor, kv: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: optional bool ``(B, 1, 1, Nk)``, True where a key may be attended (None: all; vmoe)."""
         kv = x if kv is None else kv
         q = self.q_norm(self._heads(self.q(x))).transpose(1, 2)  # (B, H, Nq, Dh)
         k = self.k_norm(self._heads(self.k(kv))).transpose(1, 2)  # (B, H, Nk, Dh)
         v = self._heads(self.v(kv)).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v)  # softmax(q k^T / sqrt(Dh)) v
+        if q.shape[2] == 1:
+            # One query (the MAP head's probe): torch's CPU SDPA kernel shares such calls out over
+            # threads so that a row's bits depend on its batch slot; the explicit form does not.
+            s = (q @ k.transpose(-2, -1)) * self.head_dim**-0.5  # (B, H, 1, Nk)
+            if mask is not None:
+                s = s.masked_fill(~mask, float("-inf"))
+            o = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype) @ v
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # softmax(q k^T / sqrt(Dh)) v
         b, _, n, _ = o.shape
         return self.out(o.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
 
@@ -101,8 +110,8 @@ class EncoderBlock(nn.Module):
         else:
             self.mlp = Mlp(d, cfg.mlp_dim, dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), mask=mask)
         return x + self.mlp(self.norm2(x))
 
 
@@ -121,8 +130,9 @@ class Encoder(nn.Module):
         )
         self.norm = layer_norm(cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: optional key mask passed to every block's attention (see ``Attention``)."""
         x = x + self.pos_embed
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.norm(x)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-Resize = Literal["bilinear", "bicubic", "nearest", "box", "lanczos"]
+Resize = Literal["bilinear", "bicubic", "nearest", "box", "lanczos", "hamming"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,10 @@ class PreprocessConfig:
     layout: Literal["NCHW"] = "NCHW"
     channels: Literal["RGB"] = "RGB"
     crop: Literal["none", "center"] = "none"  # 'center': resize the short side, then crop
+    # JPEGs may be decoded at a reduced DCT scale (Pillow draft mode) before the resize when they are
+    # at least twice image_size: faster, but not the pixels of a full-size decode. False: always
+    # decode at full size, as transformers' image processors (and converted SigLIP packages) do.
+    jpeg_draft: bool = True
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PreprocessConfig":
@@ -57,6 +61,7 @@ def resize_image(image: "PIL.Image.Image", cfg: PreprocessConfig) -> "PIL.Image.
         "nearest": Image.Resampling.NEAREST,
         "box": Image.Resampling.BOX,
         "lanczos": Image.Resampling.LANCZOS,
+        "hamming": Image.Resampling.HAMMING,
     }[cfg.resize]
     size = cfg.image_size
     if cfg.crop == "center":

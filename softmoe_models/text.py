@@ -1,6 +1,7 @@
 """vmoe contrastive ``TextTransformer``: token embedding, encoder, pooling, head.
 
-No attention mask (pad tokens are ordinary tokens) and no sqrt(D) embedding scale; with
+No attention mask (pad tokens are ordinary tokens; ``padding_mask_id`` masks the trailing padding
+as transformers' SigLIP does when given an ``attention_mask``) and no sqrt(D) embedding scale; with
 ``pool_type='last'`` the output is position L-1, which the sticky-EOS tokenizer makes the EOS.
 Pooling as vmoe's ``apply_pooling``: 'last' x[:, -1], 'first' x[:, 0], 'gap' mean and 'gmp' max
 over positions, 'map' a MAP head (vmoe ``MapHead`` with the encoder's heads, MLP width, qk-norm).
@@ -14,6 +15,17 @@ from torch import nn
 from .config import TEXT_POOLS, TextConfig
 from .layers import Encoder
 from .vit import MapHead
+
+
+def padding_mask(input_ids: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """Keys a position may attend to, ``(B, 1, 1, L)`` bool: all but the trailing padding.
+
+    The tokenizer pads with its EOS id, so the trailing run of ``pad_id`` starts with the EOS that
+    ends the text: that one is kept (transformers' ``attention_mask`` marks it 1, the pads 0).
+    """
+    pos = torch.arange(input_ids.shape[-1], device=input_ids.device)  # (L,)
+    last = torch.where(input_ids != pad_id, pos, -1).amax(dim=-1, keepdim=True)  # (B, 1): last non-pad, -1 if none
+    return (pos <= last + 1)[:, None, None, :]
 
 
 class TextTransformer(nn.Module):
@@ -36,7 +48,8 @@ class TextTransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] != self.cfg.max_len:
             raise ValueError(f"input_ids must have length {self.cfg.max_len}, got {input_ids.shape[-1]}")
-        x = self.encoder(self.embed(input_ids.long()))  # (B, L, D)
+        mask = None if self.cfg.padding_mask_id is None else padding_mask(input_ids, self.cfg.padding_mask_id)
+        x = self.encoder(self.embed(input_ids.long()), mask)  # (B, L, D)
         pool = self.cfg.pool_type
         if pool == "last":
             x = x[:, -1]  # (B, D)

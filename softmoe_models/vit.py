@@ -36,8 +36,10 @@ class VisionTransformer(nn.Module):
         self.cfg = cfg
         enc = cfg.encoder
         d = enc.hidden_size
-        if cfg.image_size % cfg.patch_size:
-            raise ValueError(f"image size {cfg.image_size} is not a multiple of patch {cfg.patch_size}")
+        if cfg.image_size < cfg.patch_size:
+            raise ValueError(f"image size {cfg.image_size} is smaller than the patch {cfg.patch_size}")
+        # VALID patches, as flax nn.Conv and transformers' SigLIP: a side that is not a multiple of the
+        # patch drops its last image_size % patch_size pixels (grid = image_size // patch_size).
         self.patch_embed = nn.Conv2d(cfg.in_channels, d, cfg.patch_size, stride=cfg.patch_size)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.classifier == "token" else None
         self.encoder = Encoder(enc, cfg.num_tokens)

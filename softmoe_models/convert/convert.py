@@ -103,11 +103,14 @@ def convert_checkpoint(
     tokenizer: str | Path | None = None,
     head_activation: str | None = None,
     text_pool: str | None = None,
+    text_padding_mask: str = "auto",
 ) -> tuple[Path, list[str]]:
-    """Convert a vmoe checkpoint (npz, legacy partitioned or orbax) into a model package.
+    """Convert a vmoe checkpoint (npz, legacy partitioned or orbax), or a Hugging Face SigLIP
+    directory (:mod:`softmoe_models.convert.hf_siglip`), into a model package.
 
     Args:
-        src: the checkpoint (see :func:`softmoe_models.convert.readers.read_checkpoint`).
+        src: the checkpoint (see :func:`softmoe_models.convert.readers.read_checkpoint`), or a
+            directory with a Hugging Face ``config.json``.
         out: the package directory to write.
         labels: class names (classifiers).
         tokenizer: SentencePiece model of the text tower (two-tower).
@@ -115,14 +118,23 @@ def convert_checkpoint(
         text_pool: the text tower's pooling, vmoe ``TextTransformer.pool_type`` (two-tower).
             Required unless the parameters show it (only 'map' has parameters); an error if
             it contradicts them or if the checkpoint has no text tower.
+        text_padding_mask: Hugging Face SigLIP only: auto | on | off (see ``convert_hf_siglip``).
 
     Returns:
         The package directory and the notices collected on the way (ignored groups, ...).
     """
     from ..package import save_package
+    from .hf_siglip import convert_hf_siglip, is_hf_directory
     from .readers import read_checkpoint
 
     src = Path(src)
+    if is_hf_directory(src):
+        return convert_hf_siglip(src, out, labels=labels, tokenizer=tokenizer, head_activation=head_activation,
+                                 text_pool=text_pool, text_padding_mask=text_padding_mask)
+    if src.is_file() and is_hf_directory(src.parent):
+        raise ConversionError(f"{src} is one file of a Hugging Face model directory; pass the directory {src.parent}")
+    if text_padding_mask != "auto":
+        raise ConversionError("--text-padding-mask applies to Hugging Face SigLIP directories only")
     params, notices, fmt = read_checkpoint(src)
     cfg = infer_config(params, text_pool=text_pool)
     state = params_to_state_dict(params, cfg)
