@@ -5,6 +5,10 @@
     two-tower:   pixel_values (N, 3, H, W) float32        -> image_embeds (N, D), L2-normalised
                  input_ids (M, L) int64                   -> text_embeds (M, D), L2-normalised
     encoder:     inputs_embeds (N, seq_len, embed_dim)    -> hidden (N, hidden_size)
+    routing:     pixel_values                             -> the classifier's (or image tower's) outputs,
+                 then dispatch_weights, combine_weights (N, L, m, s), dispatch_entropy, combine_entropy
+                 (N, L), expert_share (N, L, n): every Soft MoE layer of the image model
+                 (softmoe_models.routing); a separate graph, so the plain ones stay as they are
 
 Inputs and outputs stay float32 whatever the compute precision; casts happen inside.
 """
@@ -16,7 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from softmoe_models import routing
 from softmoe_models.config import SeqEncoderConfig, TwoTowerConfig, ViTConfig
+from softmoe_models.soft_moe import capture_routing, soft_moe_layers
 from softmoe_models.two_tower import normalize_embeddings
 
 
@@ -88,11 +94,30 @@ class EncoderGraph(_Cast):
         return self.model(self._in(inputs_embeds)).float()
 
 
+class RoutingGraph(nn.Module):
+    """The plain image graph's outputs plus the routing of every Soft MoE layer it runs through:
+    the same forward pass, its dispatch and combine weights kept (``capture_routing``), and the
+    per-image statistics as a few reductions on them."""
+
+    def __init__(self, plain: nn.Module, image_model: nn.Module) -> None:
+        super().__init__()
+        self.plain = plain
+        self._layers = list(soft_moe_layers(image_model))  # a plain list: already submodules of `plain`
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with capture_routing(self._layers):
+            out = self.plain(pixel_values)
+            dispatch, combine = routing.stack_routing(self._layers)  # (N, L, m, s)
+        outs = out if isinstance(out, tuple) else (out,)
+        stats = routing.routing_statistics(dispatch, combine, self._layers[0].num_experts)
+        return (*outs, dispatch, combine, *stats)
+
+
 @dataclass
 class Graph:
     """One exportable module and its I/O contract."""
 
-    role: str  # classifier | image | text | two-tower | encoder
+    role: str  # classifier | image | text | two-tower | encoder | routing
     module: nn.Module
     inputs: list[TensorSpec]
     outputs: list[str]
@@ -107,17 +132,25 @@ def graphs_for(model: nn.Module, dtype: torch.dtype) -> dict[str, Graph]:
     cfg = model.cfg
     if isinstance(cfg, ViTConfig):
         outs = ["logits", "pre_logits"] if cfg.num_classes else ["pre_logits"]
-        return {"classifier": Graph("classifier", ClassifierGraph(model, dtype), [_pixels(cfg)], outs)}
+        plain = ClassifierGraph(model, dtype)
+        graphs = {"classifier": Graph("classifier", plain, [_pixels(cfg)], outs)}
+        if routing.layout_for(cfg) is not None:
+            graphs["routing"] = Graph("routing", RoutingGraph(plain, model), [_pixels(cfg)], [*outs, *routing.OUTPUTS])
+        return graphs
     if isinstance(cfg, TwoTowerConfig):
         image = ImageTowerGraph(model.image, dtype)
         text = TextTowerGraph(model.text, dtype)
         ids = TensorSpec("input_ids", ("text_batch", cfg.text.max_len), torch.int64)
         pix = _pixels(cfg.image)
-        return {
+        graphs = {
             "two-tower": Graph("two-tower", TwoTowerGraph(image, text), [pix, ids], ["image_embeds", "text_embeds"]),
             "image": Graph("image", image, [pix], ["image_embeds"]),
             "text": Graph("text", text, [TensorSpec("input_ids", ("batch", cfg.text.max_len), torch.int64)], ["text_embeds"]),
         }
+        if routing.layout_for(cfg) is not None:
+            graphs["routing"] = Graph("routing", RoutingGraph(image, model.image), [pix],
+                                      ["image_embeds", *routing.OUTPUTS])
+        return graphs
     if isinstance(cfg, SeqEncoderConfig):
         spec = TensorSpec("inputs_embeds", ("batch", cfg.seq_len, cfg.embed_dim), torch.float32)
         return {"encoder": Graph("encoder", EncoderGraph(model, dtype), [spec], ["hidden"])}

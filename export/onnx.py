@@ -93,6 +93,9 @@ def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Grap
     if model is not None and hasattr(model, "logit_scale"):
         meta["logit_scale"] = repr(float(model.logit_scale))
         meta["logit_bias"] = repr(float(model.logit_bias))
+    profile = pkg.routing_profile() if role == "routing" else None
+    if profile is not None:  # the drift reference travels with the graph that serves the statistics
+        meta["routing_profile"] = json.dumps(profile, sort_keys=True)
     tok = pkg.tokenizer_path
     if tok is not None and role in ("text", "two-tower"):
         meta["tokenizer_b64"] = base64.b64encode(tok.read_bytes()).decode()
@@ -114,7 +117,8 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     for prop in model.metadata_props:
         if prop.key.startswith(METADATA_PREFIX):
             key = prop.key[len(METADATA_PREFIX):]
-            out[key] = json.loads(prop.value) if key in ("package_config", "preprocess", "labels", "inputs", "outputs") else prop.value
+            out[key] = json.loads(prop.value) if key in ("package_config", "preprocess", "labels", "inputs", "outputs",
+                                                              "routing_profile") else prop.value
     return out
 
 
@@ -212,14 +216,18 @@ def _fold_constant_gathers(graph) -> int:
 
 @contextlib.contextmanager
 def _quiet_torch_logs():
-    """The exporter logs a warning per optional torchvision op it skips; keep the CLI clean."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    """The exporter logs a warning per optional torchvision op it skips, and its onnx_ir and
+    onnxscript passes a line per initializer they fold (~50 KB per graph under the server's INFO
+    logging); keep the CLI and the server log clean."""
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _trace_inputs(graph: Graph) -> list[torch.Tensor]:
@@ -296,6 +304,7 @@ def export_onnx(
     towers: Literal["both", "combined", "split"] = "both",
     external_data: bool | None = None,
     verify_batches: tuple[int, ...] = (1, 4),
+    routing: bool = False,
     log=print,
 ) -> list[ExportedFile]:
     """Export ``package`` to ONNX and verify it; returns what was written.
@@ -311,6 +320,9 @@ def export_onnx(
         towers: two-tower only: the combined graph, the per-tower graphs, or both.
         external_data: force weights into ``<file>.data`` (default: only past 2 GB).
         verify_batches: batch sizes ONNX Runtime is checked at (static batch: the trace batch).
+        routing: also write ``M.routing.onnx``: the image graph's outputs plus every Soft MoE
+            layer's dispatch and combine weights and statistics (``export.graphs.RoutingGraph``;
+            image models with Soft MoE layers only). The plain graphs are the same either way.
         log: where progress lines go.
 
     Raises:
@@ -336,9 +348,11 @@ def export_onnx(
     export_model = model if precision == "fp32" else load_model(package, fused=True, dtype=dtype)
     configure_routing(export_model, experts_form="batched" if experts == "batched" else "per_expert")
     graphs = graphs_for(export_model, dtype)
+    if not routing:
+        graphs.pop("routing", None)
     if "two-tower" in graphs:
         keep = {"both": ["two-tower", "image", "text"], "combined": ["two-tower"], "split": ["image", "text"]}[towers]
-        graphs = {k: v for k, v in graphs.items() if k in keep}
+        graphs = {k: v for k, v in graphs.items() if k in keep or k == "routing"}
     paths = _out_paths(out, list(graphs))
     weights_sha = _weights_sha(pkg)  # once: the weights file can be gigabytes
     vocab = getattr(getattr(model.cfg, "text", None), "vocab_size", 2)

@@ -189,10 +189,14 @@ def _content_length(value: bytes | None) -> int | None:
     return int(text)
 
 
-def create_app(settings: Settings | None = None, *, models: list[ServedModel] | None = None) -> FastAPI:
-    """Build the app. ``models`` (already loaded) replaces ``settings.models`` (tests, embedding)."""
+def create_app(settings: Settings | None = None, *, models: list[ServedModel] | None = None,
+               batcher: Batcher | None = None) -> FastAPI:
+    """Build the app. ``models`` (already loaded) replaces ``settings.models`` (tests, embedding);
+    ``batcher`` replaces the in-process one (a front-end process's ``RemoteBatcher``, whose engine
+    process warmed the models up: pass ``warmup=False`` settings with it)."""
     settings = settings or Settings()
     metrics = Metrics()
+    given_batcher = batcher
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -202,7 +206,7 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         names = [m.name for m in loaded]
         if len(set(names)) != len(names):
             raise RuntimeError(f"two models share a name: {names}")
-        batcher = Batcher(settings.device, metrics)
+        batcher = given_batcher if given_batcher is not None else Batcher(settings.device, metrics)
         for m in loaded:
             metrics.model_ready.labels(m.name).set(0)
             metrics.init_model(m.name)
@@ -244,11 +248,12 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     app.state.models, app.state.batcher = {}, None
     metrics.init_errors(ERROR_TYPES, STATUSES)
 
-    from .routes import oip, openai, v1
+    from .routes import oip, openai, routing, v1
 
     app.include_router(v1.router)
     app.include_router(openai.router)
     app.include_router(oip.router)
+    app.include_router(routing.router)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:

@@ -1,6 +1,8 @@
 """Every metric of the server, in base units, with low-cardinality labels only.
 
-Labels: model, stage, endpoint, status_class, reason. Never a request id or a label text.
+Labels: model, stage, endpoint, status_class, reason; the routing statistics add layer (a Soft MoE
+block index) and expert (an expert index): bounded by the model's architecture, layers x experts
+series per model. Never a request id or a label text.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ REJECT_REASONS = (
     "client_disconnected",  # its client left while it waited
     "draining",  # shutting down (503)
 )
-ENDPOINTS = ("classify", "embed", "zero_shot", "embeddings", "oip_infer")
+ENDPOINTS = ("classify", "embed", "zero_shot", "embeddings", "oip_infer", "routing")
+# Normalised entropies lie in [0, 1] (1: uniform); trained Soft MoE routing sits mostly near the top.
+ENTROPY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
 DOOR = "none"  # the model label of refusals made before the model is known
 
 
@@ -75,6 +79,32 @@ class Metrics:
         self.responses = Counter("softmoe_responses_total", "HTTP responses by status code (health and metrics "
                                  "excluded)", ["status"], registry=r)
         self.worker_alive = Gauge("softmoe_worker_alive", "1 while the device's batcher worker runs", registry=r)
+        # Routing statistics of sampled image traffic (softmoe_models.routing; --routing-stats-sample).
+        self.routing_dispatch_entropy = Histogram(
+            "softmoe_routing_dispatch_entropy", "Per sampled image and Soft MoE layer: the mean over slots of the "
+            "entropy of a slot's dispatch weights over the tokens / log(tokens) (1: every slot averages all patches)",
+            ["model", "layer"], buckets=ENTROPY_BUCKETS, registry=r,
+        )
+        self.routing_combine_entropy = Histogram(
+            "softmoe_routing_combine_entropy", "Per sampled image and Soft MoE layer: the mean over tokens of the "
+            "entropy of a token's combine weights over the slots / log(slots) (1: every token mixes all slots)",
+            ["model", "layer"], buckets=ENTROPY_BUCKETS, registry=r,
+        )
+        self.routing_expert_share = Gauge(
+            "softmoe_routing_expert_share", "Each expert's share of its layer's combine mass, mean over the live "
+            "window of sampled images (sums to 1 over a layer's experts)", ["model", "layer", "expert"], registry=r,
+        )
+        self.routing_drift = Gauge(
+            "softmoe_routing_drift", "Jensen-Shannon divergence (bits) of the live window's mean expert shares from "
+            "the package's reference routing profile, averaged over layers", ["model"], registry=r,
+        )
+        self.routing_drift_baseline = Gauge(
+            "softmoe_routing_drift_baseline", "The routing drift (bits) sampling noise alone gives an in-distribution "
+            "window of the current size (from the reference profile's variances)", ["model"], registry=r,
+        )
+        self.routing_window_images = Gauge(
+            "softmoe_routing_window_images", "Sampled images in the live routing window", ["model"], registry=r,
+        )
         for reason in REJECT_REASONS:
             self.rejected.labels(DOOR, reason)
 
@@ -91,6 +121,19 @@ class Metrics:
         self.batches.labels(model)
         self.batch_size.labels(model)
         self.batch_padding_ratio.labels(model)
+
+    def init_routing(self, model: str, layers: list[int] | tuple[int, ...], experts: int, drift: bool) -> None:
+        """Create the routing series of ``model``: histograms empty, shares and window at 0, and the
+        drift gauges where the model has a reference profile."""
+        for layer in layers:
+            self.routing_dispatch_entropy.labels(model, str(layer))
+            self.routing_combine_entropy.labels(model, str(layer))
+            for e in range(experts):
+                self.routing_expert_share.labels(model, str(layer), str(e)).set(0)
+        self.routing_window_images.labels(model).set(0)
+        if drift:
+            self.routing_drift.labels(model).set(0)
+            self.routing_drift_baseline.labels(model).set(0)
 
     def init_errors(self, types: tuple[str, ...], statuses: tuple[int, ...]) -> None:
         for t in types:

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from softmoe_models import routing as routing_lib
 from softmoe_models.package import read_package
 from softmoe_models.preprocess import PreprocessConfig
 from softmoe_models.tokenizer import Tokenizer
 
-from .backends.base import Backend
+from .backends.base import ROUTING, Backend
 from .batching.batcher import Batcher, ModelQueue
 from .metrics import Metrics
 from .settings import Settings
@@ -23,6 +24,79 @@ DEFAULT_TEMPLATES = ["a photo of a {}.", "a picture of a {}.", "an image of a {}
 
 class ModelLoadError(Exception):
     """A model could not be loaded; the server does not start."""
+
+
+@dataclass
+class RoutingState:
+    """A model's routing function (/v1/routing) and its statistics: which calls of the plain image
+    function are sampled, the live window, the reference profile, the metric series."""
+
+    layout: routing_lib.Layout
+    plain: str  # the image function whose calls are sampled: classify | image
+    profile: dict[str, Any] | None  # the package's reference routing profile
+    window: routing_lib.Window
+    sample: int  # statistics from 1 in `sample` calls of `plain` (0: off)
+    shared: bool = False  # a sampled call runs the routing graph alone (start-up proved it bitwise equal)
+    calls: int = 0
+    series: dict[str, Any] = field(default_factory=dict)  # the model's metric children
+
+    def sampling(self, call, backend: Backend):
+        """``call`` (the plain function's queue function), returning the statistics too on 1 call in
+        ``sample``: from the routing graph alone when ``shared``, else from a second call. Runs on
+        the worker; the rows of padding are dropped by the batcher like any output row."""
+        names = backend.functions[self.plain].outputs
+
+        def run(rows):
+            self.calls += 1
+            if not self.sample or self.calls % self.sample:
+                return call(rows)
+            if self.shared:
+                out = backend.run(ROUTING, rows)
+                return {k: out[k] for k in (*names, *routing_lib.STATS)}
+            out = call(rows)
+            extra = backend.run(ROUTING, rows)
+            return {**out, **{k: extra[k] for k in routing_lib.STATS}}
+
+        return run
+
+    def bind(self, metrics: Metrics, model: str) -> None:
+        """Create the model's routing series and keep them (no label lookups on the hot path)."""
+        layers = [str(b) for b in self.layout.layers]
+        metrics.init_routing(model, self.layout.layers, self.layout.num_experts, self.profile is not None)
+        self.series = {
+            "dispatch": [metrics.routing_dispatch_entropy.labels(model, b) for b in layers],
+            "combine": [metrics.routing_combine_entropy.labels(model, b) for b in layers],
+            "share": [[metrics.routing_expert_share.labels(model, b, str(e)) for e in range(self.layout.num_experts)]
+                      for b in layers],
+            "window": metrics.routing_window_images.labels(model),
+            "drift": metrics.routing_drift.labels(model) if self.profile is not None else None,
+            "baseline": metrics.routing_drift_baseline.labels(model) if self.profile is not None else None,
+        }
+
+    def record(self, outputs: list[dict[str, np.ndarray]]) -> None:
+        """Take the statistics out of ``outputs`` (one dict per item, changed in place) and update the
+        histograms, the live window, the expert shares and the drift."""
+        rows = []
+        for out in outputs:
+            stats = [out.pop(k, None) for k in routing_lib.STATS]
+            if stats[0] is not None:
+                rows.append(stats)
+        if not rows or not self.series:
+            return
+        h_dispatch, h_combine, shares = (np.stack(col) for col in zip(*rows))  # (k, L), (k, L), (k, L, n)
+        for i, (hd, hc) in enumerate(zip(h_dispatch.T.tolist(), h_combine.T.tolist())):
+            for v in hd:
+                self.series["dispatch"][i].observe(v)
+            for v in hc:
+                self.series["combine"][i].observe(v)
+        self.window.add(shares)
+        for gauges, mean in zip(self.series["share"], self.window.mean().tolist()):
+            for g, v in zip(gauges, mean):
+                g.set(v)
+        self.series["window"].set(self.window.count)
+        if self.profile is not None:
+            self.series["drift"].set(self.window.drift(self.profile))
+            self.series["baseline"].set(self.window.baseline(self.profile))
 
 
 @dataclass
@@ -42,10 +116,11 @@ class ServedModel:
     vocab_size: int | None = None
     queues: dict[str, ModelQueue] = field(default_factory=dict)
     proven_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # strict mode, per function
+    routing: RoutingState | None = None  # image models with Soft MoE layers (--routing)
     ready: bool = False
 
     def can(self, fn: str) -> bool:
-        return fn in self.backend.functions
+        return fn in self.backend.functions or (fn == ROUTING and self.routing is not None)
 
 
 def parse_spec(spec: str) -> tuple[str | None, Path]:
@@ -79,7 +154,23 @@ def load_served_model(spec: str, settings: Settings, log=print) -> ServedModel:
     if pkg.kind == "two-tower":
         model.logit_scale, model.logit_bias = _scale_bias(path)
         model.vocab_size = pkg.config.text.vocab_size
+    try:
+        model.routing = _routing_state(backend, pkg.config, pkg.routing_profile(), settings)
+    except Exception as e:  # PackageError, a profile for another model: one line
+        raise ModelLoadError(f"{path}: {e}") from None
     return model
+
+
+def _routing_state(backend: Backend, config, profile: dict[str, Any] | None, settings: Settings) -> RoutingState | None:
+    """The routing state of a model whose backend has a routing function, else None."""
+    layout = routing_lib.layout_for(config)
+    if getattr(backend, "routing", None) is None or layout is None:
+        return None
+    if profile is not None:
+        routing_lib.check_profile(profile, layout)
+    plain = "classify" if "classify" in backend.functions else "image"
+    window = routing_lib.Window(settings.routing_drift_window, len(layout.layers), layout.num_experts)
+    return RoutingState(layout, plain, profile, window, settings.routing_stats_sample)
 
 
 def _scale_bias(package: Path) -> tuple[float, float]:
@@ -100,17 +191,20 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
 
         return TorchBackend(path, device=settings.device, precision=precision,
                             max_batch_size=settings.max_batch_size, threads=settings.threads,
-                            cuda_graphs=settings.cuda_graphs, pinned_staging=settings.pinned_staging)
+                            cuda_graphs=settings.cuda_graphs, pinned_staging=settings.pinned_staging,
+                            routing=settings.routing)
     if settings.backend == "onnxruntime":
         from .backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
 
-        files = exported_files(path, settings.cache_dir, precision, log=log, device=settings.device)
+        files = exported_files(path, settings.cache_dir, precision, log=log, device=settings.device,
+                               routing=settings.routing)
         return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
-                                  threads=settings.threads, cuda_graph=settings.ort_cuda_graph)
+                                  threads=settings.threads, cuda_graph=settings.ort_cuda_graph,
+                                  routing=settings.routing)
     from .backends.tensorrt_backend import TensorRTBackend
 
     return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
-                           cache_dir=settings.cache_dir)
+                           cache_dir=settings.cache_dir, routing=settings.routing)
 
 
 def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
@@ -135,7 +229,8 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
         stem = path.name[: -len(f".{meta['graph']}.onnx")]
         files = [p for p in (path.with_name(f"{stem}.image.onnx"), path.with_name(f"{stem}.text.onnx")) if p.is_file()]
     backend = OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
-                                 threads=settings.threads, cuda_graph=settings.ort_cuda_graph)
+                                 threads=settings.threads, cuda_graph=settings.ort_cuda_graph,
+                                 routing=settings.routing)
     pkg_meta = meta.get("package_config") or {}
     model = ServedModel(
         name=name, kind=meta["kind"], source=str(path), backend=backend,
@@ -151,6 +246,14 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
     scale_meta = next((m for m in backend.metadata.values() if "logit_scale" in m), None)
     if scale_meta is not None:
         model.logit_scale, model.logit_bias = float(scale_meta["logit_scale"]), float(scale_meta["logit_bias"])
+    if backend.routing is not None:
+        from softmoe_models.config import from_dict
+
+        profile = backend.metadata.get(ROUTING, {}).get("routing_profile")
+        try:
+            model.routing = _routing_state(backend, from_dict(meta["kind"], pkg_meta["model"]), profile, settings)
+        except Exception as e:
+            raise ModelLoadError(f"{path}: {e}") from None
     return model
 
 
@@ -165,6 +268,24 @@ def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metr
             max_delay_s=settings.max_delay_ms / 1000, max_queue=settings.max_queue,
             pad=settings.strict_determinism, metrics=metrics,
         ))
+    if model.routing is not None:
+        _attach_routing(model, batcher, settings, metrics)
+
+
+def _attach_routing(model: ServedModel, batcher: Batcher, settings: Settings, metrics: Metrics) -> None:
+    """The routing queue (/v1/routing, batched like the rest), the sampled plain queue, the series."""
+    state = model.routing
+    if state.sample:
+        plain = model.queues[state.plain]
+        plain.fn = state.sampling(plain.fn, model.backend)
+    queue = model.queues[ROUTING] = batcher.add_queue(ModelQueue(
+        f"{model.name}/{ROUTING}", model.name, lambda rows, backend=model.backend: backend.run(ROUTING, rows),
+        max_batch_size=settings.max_batch_size, max_delay_s=settings.max_delay_ms / 1000,
+        max_queue=settings.max_queue, pad=settings.strict_determinism, metrics=metrics,
+    ))
+    # Its places are for inspecting routing, not serving capacity: the gauge keeps the serving queues' sum.
+    metrics.queue_capacity.labels(model.name).set(sum(q.max_queue for q in queue.siblings if q is not queue))
+    state.bind(metrics, model.name)
 
 
 def warmup(model: ServedModel, settings: Settings, log=print) -> None:
@@ -175,8 +296,37 @@ def warmup(model: ServedModel, settings: Settings, log=print) -> None:
         model.backend.warmup([settings.max_batch_size])
         if settings.proven_shapes:
             prove_shapes(model, settings.max_batch_size, log)
-        return
-    model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
+    else:
+        model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
+    prove_routing(model, settings, log)
+
+
+def prove_routing(model: ServedModel, settings: Settings, log=print, seed: int = 1) -> bool:
+    """Whether a sampled call may run the routing graph alone: its copies of the plain function's
+    outputs bitwise equal to the plain function's own, on random rows at every shape the plain
+    queue runs (strict: its proven shapes; loose: the warmed sizes). Otherwise a sampled call runs
+    both graphs, and an image's answer never depends on whether its call was sampled."""
+    state = model.routing
+    if state is None or not state.sample:
+        return False
+    spec = model.backend.functions[state.plain]
+    queue = model.queues.get(state.plain)
+    sizes = list(queue.shapes) if settings.strict_determinism and queue is not None \
+        else sorted({1, 2, settings.max_batch_size})
+    rng = np.random.default_rng(seed)
+    for size in sizes:
+        rows = {s.name: rng.uniform(-1, 1, (size, *s.shape)).astype(s.dtype) for s in spec.inputs}
+        want = model.backend.run(state.plain, rows)
+        got = model.backend.run(ROUTING, rows)
+        if any(not np.array_equal(got[k], v) for k, v in want.items()):
+            state.shared = False
+            log(f"{model.name}: routing statistics from 1 in {state.sample} {state.plain} calls, by a second call "
+                f"(the routing graph's {state.plain} outputs differ from the plain graph's at batch {size})")
+            return False
+    state.shared = True
+    log(f"{model.name}: routing statistics from 1 in {state.sample} {state.plain} calls, by the routing graph "
+        f"alone (its outputs proven bitwise equal to the plain graph's at {sizes})")
+    return True
 
 
 def candidate_shapes(max_batch_size: int) -> list[int]:

@@ -12,6 +12,10 @@ Start-up happens before uvicorn takes over, in this order, and any failure is a
 On SIGTERM/SIGINT: readiness turns false and new requests get 503 (Retry-After) for
 ``drain_seconds`` (so load balancers and Kubernetes endpoints stop sending), then uvicorn stops
 accepting, finishes the requests in flight (the batcher drains its queue), and the process exits.
+
+``--frontend-workers N`` (N >= 2): this process binds the port and supervises one engine process
+(the models, the batcher) and N front-end processes serving the port (``_frontend_main``); see
+``server.batching.engine.Supervisor``. Start-up errors and signals behave as above.
 """
 
 from __future__ import annotations
@@ -187,17 +191,20 @@ async def _serve(server: DrainingServer, sock: socket.socket) -> None:
         await server.serve(sockets=[sock])
 
 
+def _server(app, settings: Settings) -> DrainingServer:
+    # lifespan="off": _serve enters the app's lifespan itself, before uvicorn starts.
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                            timeout_graceful_shutdown=max(30, settings.request_timeout_s + 5), access_log=False,
+                            lifespan="off")
+    return DrainingServer(config, settings.drain_seconds)
+
+
 def _prepare(settings: Settings) -> DrainingServer:
     """Check the backend, load the models and build the app and the uvicorn server."""
     try:
         check_backend(settings)
         models = load_models(settings)
-        app = create_app(settings, models=models)
-        # lifespan="off": _serve enters the app's lifespan itself, before uvicorn starts.
-        config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                                timeout_graceful_shutdown=max(30, settings.request_timeout_s + 5), access_log=False,
-                                lifespan="off")
-        return DrainingServer(config, settings.drain_seconds)
+        return _server(create_app(settings, models=models), settings)
     except StartupError:
         raise
     except Exception as e:  # e.g. a broken optional install (an ImportError inside onnxruntime)
@@ -219,6 +226,62 @@ def serve(settings: Settings) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = bind_socket(settings.host, settings.port)
     try:
-        asyncio.run(_serve(_prepare(settings), sock))
+        if settings.frontend_workers >= 2:  # N front-end processes and one engine process
+            from .batching.engine import Supervisor
+
+            Supervisor(settings, sock, _frontend_main).run()
+        else:
+            asyncio.run(_serve(_prepare(settings), sock))
     finally:
         sock.close()
+
+
+# ------------------------------------------------------------------ --frontend-workers N
+
+
+def _frontend_main(settings: Settings, index: int, sock: socket.socket, path: str, token: bytes, lock,
+                   metrics_dir: str, report) -> None:
+    """A front-end process: the app with a RemoteBatcher, uvicorn on the shared socket."""
+    import os
+
+    from .batching.engine import child_setup, tell
+
+    child_setup(settings.log_level, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        asyncio.run(_serve_frontend(settings, index, sock, path, token, lock, metrics_dir, report))
+    except StartupError as e:
+        tell(report, ("error", str(e)))
+        raise SystemExit(2) from None
+    except Exception:  # noqa: BLE001 - logged (stdout), not a traceback on stderr
+        log.exception("front end %d failed", index)
+        raise SystemExit(1) from None
+
+
+async def _serve_frontend(settings: Settings, index: int, sock: socket.socket, path: str, token: bytes, lock,
+                          metrics_dir: str, report) -> None:
+    """Connect to the engine, build the app from its description, enter the lifespan (no warm-up:
+    the engine did it), report ready, serve until a signal."""
+    import os
+
+    from .batching.engine import tell
+    from .batching.remote import RemoteBatcher, merge_process_metrics
+
+    remote = RemoteBatcher(settings.device, index, lock)
+    try:
+        await remote.connect(path, token)
+        # The engine warmed up and proved the shapes; the front end's models have no weights.
+        app = create_app(settings.model_copy(update={"warmup": False}), models=remote.served_models(), batcher=remote)
+        remote.metrics = app.state.metrics
+        merge_process_metrics(app.state.metrics, metrics_dir, remote.info["pid"])
+        server = _server(app, settings)
+    except Exception as e:
+        log.debug("front end %d: start-up failed", index, exc_info=True)
+        raise StartupError(f"front end {index}: {describe(e)}") from None
+    async with contextlib.AsyncExitStack() as stack:
+        try:
+            await stack.enter_async_context(app.router.lifespan_context(app))
+        except Exception as e:
+            log.debug("front end %d: start-up failed", index, exc_info=True)
+            raise StartupError(f"front end {index}: start-up failed: {describe(e)}") from None
+        tell(report, ("ready", os.getpid()))
+        await server.serve(sockets=[sock])

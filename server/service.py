@@ -28,6 +28,7 @@ from .registry import ROUTING, ServedModel
 from .settings import Settings
 
 MAX_TEMPLATES = 32
+PNG_MAX_PIXELS = 16_777_216  # /v1/routing?format=png: the sheet's size (48 MiB of RGB)
 
 
 @dataclass
@@ -493,6 +494,10 @@ class Service:
             raise Unprocessable(f"layer(s) {unknown} of model {model.name!r} are not Soft MoE layers; "
                                 f"those are {list(layout.layers)}", param="layers")
         self.check_count(len(blobs), self.settings.max_images_per_request, "images", "images")
+        drawn = len(layers) if layers else len(layout.layers)
+        if fmt == "png" and routing_lib.sheet_pixels(layout, len(blobs), drawn, slots) > PNG_MAX_PIXELS:
+            raise Unprocessable(f"a PNG of {len(blobs)} images x {drawn} layers x {slots} slots exceeds "
+                                f"{PNG_MAX_PIXELS} pixels; ask for fewer images, layers or slots", param="images")
         with self.reserve(model, ROUTING, len(blobs)) as held:
             pixels = await self.pixel_rows(model, blobs, timings)
             results = await self.run(model, ROUTING, [{"pixel_values": p} for p in pixels], timings, receive,

@@ -86,6 +86,25 @@ class Settings(BaseSettings):
     ort_cuda_graph: bool = Field(
         False, description="onnxruntime on cuda: CUDA-graph mode with I/O binding, every batch padded to max_batch_size",
     )
+    routing: bool = Field(
+        True, description="serve /v1/routing and routing statistics for Soft MoE image models (onnxruntime and "
+        "tensorrt load one more graph per image model, with its own copy of the weights)",
+    )
+    routing_stats_sample: int = Field(
+        16, ge=0, le=1_000_000,
+        description="routing statistics from 1 in N backend calls of image traffic (0: off); a sampled call runs "
+        "the routing graph instead of the plain one where start-up proved their outputs bitwise equal, else both",
+    )
+    routing_drift_window: int = Field(
+        256, ge=1, le=1_000_000,
+        description="sampled images in the live routing window compared with the package's reference routing profile",
+    )
+    frontend_workers: int = Field(
+        0, ge=0, le=256,
+        description="front-end processes (HTTP, parsing, decoding, preprocessing) sharing the port and feeding one "
+        "engine process (the batcher and the backend: one per device) through shared memory; 0 or 1: one process "
+        "does everything",
+    )
     log_level: str = Field("info", description="uvicorn log level")
 
     @model_validator(mode="after")

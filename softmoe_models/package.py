@@ -5,6 +5,7 @@
       model.safetensors  the state dict, float32
       labels.json        optional: class names, a JSON list (classifiers)
       tokenizer.model    optional: SentencePiece model (two-tower text input)
+      routing_profile.json  optional: reference routing statistics (softmoe_models.routing)
 
 config.json::
 
@@ -16,6 +17,7 @@ config.json::
      "text": {"max_len", "eos_id", "pad_id", "lowercase", ...}     (two-tower only)
      "head_activation": "softmax" | "sigmoid" | null,
      "labels": "labels.json" | null, "tokenizer": "tokenizer.model" | null,
+     "routing_profile": {"file": "routing_profile.json", "sha256": ...}    (optional)
      "provenance": {"source", "format", "sha256"}, "num_params": int}
 
 Loading checks the config against the weights: every key and shape must agree.
@@ -23,6 +25,7 @@ Loading checks the config against the weights: every key and shape must agree.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -69,6 +72,22 @@ class Package:
     @property
     def head_activation(self) -> str | None:
         return self.meta.get("head_activation")
+
+    def routing_profile(self) -> dict[str, Any] | None:
+        """The reference routing profile named in config.json (``softmoe_models.routing``), checked
+        against the sha256 recorded there; None when the package has none."""
+        entry = self.meta.get("routing_profile")
+        if not entry:
+            return None
+        path = self.path / entry["file"]
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise PackageError(f"{path}: cannot read the routing profile ({e})") from None
+        if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+            raise PackageError(f"{path}: sha256 differs from config.json's routing_profile entry (edited or stale; "
+                               "recompute it with `python -m softmoe_models.routing profile`)")
+        return json.loads(data)
 
 
 def default_text_contract(max_len: int) -> dict[str, Any]:

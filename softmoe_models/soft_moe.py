@@ -29,7 +29,8 @@ leaving the experts (Ys) are rounded to bfloat16, weights and accumulation stay 
 
 from __future__ import annotations
 
-from typing import Literal
+import contextlib
+from typing import Iterator, Literal
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +178,29 @@ class SoftMoE(nn.Module):
             h = F.gelu(h, approximate="tanh")
             y = torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)  # (n, B*p, d)
         return y.view(n, b, p, d).transpose(0, 1)
+
+
+def soft_moe_layers(model: nn.Module) -> list[SoftMoE]:
+    """The Soft MoE layers of ``model`` in forward order."""
+    return [m for m in model.modules() if isinstance(m, SoftMoE)]
+
+
+@contextlib.contextmanager
+def capture_routing(layers: list[SoftMoE]) -> Iterator[list[SoftMoE]]:
+    """Keep each layer's routing internals of the calls made inside the block (``.internals``:
+    ``dispatch_weights`` and ``combine_weights`` as ``(B, m, n, p)``, the very tensors the
+    forward pass multiplies with, so the numerics of both paths are untouched). Restores the
+    flags and drops the tensors on exit; traceable by ``torch.export`` (plain Python state)."""
+    before = [layer.capture for layer in layers]
+    for layer in layers:
+        layer.capture = True
+    try:
+        yield layers
+    finally:
+        for layer, flag in zip(layers, before):
+            layer.capture = flag
+            if not flag:
+                layer.internals = {}
 
 
 def configure_routing(

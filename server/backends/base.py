@@ -5,6 +5,11 @@ Functions (the same names on every backend):
     image:     pixel_values (B, 3, S, S) float32 -> image_embeds (B, D), L2-normalised
     text:      input_ids (B, L) int64            -> text_embeds (B, D), L2-normalised
     encoder:   inputs_embeds (B, T, E) float32    -> hidden (B, H)
+
+and, on image models with Soft MoE layers, the optional ``routing`` function (``backend.routing``,
+a FunctionSpec or None; not in ``functions``, which lists what serves traffic):
+    routing:   pixel_values -> the classify (or image) outputs, then the per-layer routing and its
+               statistics (``softmoe_models.routing.OUTPUTS``)
 """
 
 from __future__ import annotations
@@ -30,9 +35,13 @@ class FunctionSpec:
     outputs: tuple[str, ...]
 
 
+ROUTING = "routing"
+
+
 class Backend(Protocol):
     name: str  # torch | onnxruntime | tensorrt
     functions: dict[str, FunctionSpec]
+    routing: FunctionSpec | None  # the routing function, where the model has one
     max_batch_size: int
 
     def run(self, fn: str, inputs: Rows) -> Rows: ...
@@ -61,8 +70,24 @@ def specs_from_graphs(graphs) -> dict[str, FunctionSpec]:
     return out
 
 
+def all_functions(backend: Backend) -> dict[str, FunctionSpec]:
+    """``functions`` plus the routing function where there is one."""
+    routing = getattr(backend, "routing", None)
+    return {**backend.functions, ROUTING: routing} if routing is not None else dict(backend.functions)
+
+
+def routing_spec(graphs) -> FunctionSpec | None:
+    """The routing FunctionSpec from ``export.graphs`` Graph objects (None without a routing graph)."""
+    g = graphs.get(ROUTING)
+    if g is None:
+        return None
+    inputs = tuple(InputSpec(s.name, tuple(int(d) for d in s.shape[1:]), np.dtype(np.float32)) for s in g.inputs)
+    return FunctionSpec(inputs, tuple(g.outputs))
+
+
 def warm(backend: Backend, batch_sizes: list[int]) -> None:
-    """Run every function once at every batch size (zeros): no lazy work on the request path."""
-    for fn, spec in backend.functions.items():
+    """Run every function (routing included) once at every batch size (zeros): no lazy work on the
+    request path."""
+    for fn, spec in all_functions(backend).items():
         for b in batch_sizes:
             backend.run(fn, {s.name: np.zeros((b, *s.shape), dtype=s.dtype) for s in spec.inputs})

@@ -8,6 +8,7 @@ by its own backend.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +16,9 @@ import numpy as np
 from export.onnx import read_metadata
 from export.runtime import ort_session
 
-from .base import FunctionSpec, InputSpec, Rows, warm
+from .base import ROUTING, FunctionSpec, InputSpec, Rows, all_functions, warm
 
-ROLE_TO_FN = {"classifier": "classify", "image": "image", "text": "text", "encoder": "encoder"}
+ROLE_TO_FN = {"classifier": "classify", "image": "image", "text": "text", "encoder": "encoder", "routing": ROUTING}
 
 
 def cache_root(cache_dir: str) -> Path:
@@ -32,8 +33,11 @@ def cache_root(cache_dir: str) -> Path:
 GRAPH_FORMAT = 2
 
 
-def exported_files(package: Path, cache_dir: str, precision: str, log=print, device: str = "cpu") -> list[Path]:
+def exported_files(package: Path, cache_dir: str, precision: str, log=print, device: str = "cpu",
+                   routing: bool = True) -> list[Path]:
     """The package's ONNX graphs (split towers), exported and verified once per key, then reused.
+    With ``routing``, the entry also holds ``model.routing.onnx`` (image models with Soft MoE
+    layers), which is not listed: ``OnnxRuntimeBackend`` finds it beside the graph it extends.
 
     The key covers every input of the export: the package's files (config.json included), the
     exporter's and ONNX Runtime's versions, opset, precision, expert form, towers, the verified
@@ -50,7 +54,7 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     # (docs: soft-moe-performance.md).
     experts = "batched" if device == "cuda" else "per-expert"
     settings = dict(opset=DEFAULT_OPSET, precision=precision, experts=experts, towers="split",
-                    dynamic_batch=True, verify_batches=(1, 4))
+                    dynamic_batch=True, verify_batches=(1, 4), routing=routing)
     inputs = {
         "artifact": "onnx",
         "graph_format": GRAPH_FORMAT,
@@ -63,19 +67,21 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     }
 
     def build(tmp: Path) -> list[str]:
-        files = export_onnx(package, tmp / "model.onnx", log=log, **settings)  # raises unless verified
+        log(f"exporting {package} to ONNX ({precision}, {experts} experts) and verifying it")
+        detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
+        files = export_onnx(package, tmp / "model.onnx", log=detail, **settings)  # raises unless verified
         return [f.path.name for f in files]
 
     entry = cache.build(cache_root(cache_dir) / "onnx", cache.cache_key(inputs), build, inputs=inputs, log=log)
     log(f"{'exported' if entry.built else 'reusing'} {entry.path} (hash-checked)")
-    return [entry.files[name] for name in entry.meta]
+    return [entry.files[name] for name in entry.meta if not name.endswith(".routing.onnx")]
 
 
 class OnnxRuntimeBackend:
     name = "onnxruntime"
 
     def __init__(self, files: list[Path], *, device: str = "cpu", max_batch_size: int = 8, threads: int = 0,
-                 cuda_graph: bool = False, strict_placement: bool = False) -> None:
+                 cuda_graph: bool = False, strict_placement: bool = False, routing: bool = True) -> None:
         """Sessions for ``files``. On cuda only the CUDA EP is requested (deterministic options,
         ``server.backends.cuda``) and every session must really have it active, else
         ``DeviceUnavailableError``: never served from CPU.
@@ -88,6 +94,8 @@ class OnnxRuntimeBackend:
             cuda_graph: on cuda, ORT's CUDA-graph mode with I/O binding; calls are padded to
                 ``max_batch_size`` (one captured shape per session).
             strict_placement: on cuda, refuse a graph with any node on the CPU EP.
+            routing: also load the routing graph (``M.routing.onnx`` beside ``M.onnx`` or
+                ``M.image.onnx``, or given in ``files``) as the routing function.
         """
         import onnxruntime as ort
 
@@ -103,10 +111,14 @@ class OnnxRuntimeBackend:
         self.functions: dict[str, FunctionSpec] = {}
         self.metadata: dict[str, dict] = {}
         self._graph_runners: dict = {}
+        self.routing: FunctionSpec | None = None
+        files = [Path(f) for f in files]
+        if routing:
+            files += [r for r in map(_routing_sibling, files) if r is not None and r not in files]
         for path in files:
             meta = read_metadata(path)
             fn = ROLE_TO_FN.get(meta.get("graph", ""))
-            if fn is None:
+            if fn is None or (fn == ROUTING and not routing):
                 continue
             if device == "cuda":
                 sess = ort_cuda_session(path, cuda_graph=self.cuda_graph, strict_placement=strict_placement,
@@ -120,7 +132,12 @@ class OnnxRuntimeBackend:
                 InputSpec(i.name, tuple(int(d) for d in i.shape[1:]), np.dtype(np.int64 if "int64" in i.type else np.float32))
                 for i in sess.get_inputs()
             )
-            self.functions[fn] = FunctionSpec(inputs, tuple(o.name for o in sess.get_outputs()))
+            spec = FunctionSpec(inputs, tuple(o.name for o in sess.get_outputs()))
+            if fn == ROUTING:
+                self.routing = spec
+            else:
+                self.functions[fn] = spec
+        self._specs = all_functions(self)
         self.providers = {fn: s.get_providers() for fn, s in self.sessions.items()}
         self.precision = ",".join(sorted({m.get("precision", "fp32") for m in self.metadata.values()})) or "fp32"
         self.device_used = "cpu"
@@ -137,11 +154,11 @@ class OnnxRuntimeBackend:
 
                     from .cuda import OrtCudaGraphRunner
 
-                    runner = self._graph_runners[fn] = OrtCudaGraphRunner(ort, self.sessions[fn], self.functions[fn],
+                    runner = self._graph_runners[fn] = OrtCudaGraphRunner(ort, self.sessions[fn], self._specs[fn],
                                                                           self.max_batch_size)
                 return runner(inputs)
             sess = self.sessions[fn]
-            names = self.functions[fn].outputs
+            names = self._specs[fn].outputs
             outs = sess.run(list(names), {k: np.ascontiguousarray(v) for k, v in inputs.items()})
             return dict(zip(names, outs))
         except Exception as e:
@@ -165,3 +182,13 @@ class OnnxRuntimeBackend:
     def close(self) -> None:
         self._graph_runners.clear()
         self.sessions.clear()
+
+
+def _routing_sibling(path: Path) -> Path | None:
+    """``M.routing.onnx`` for ``M.onnx`` (a classifier) or ``M.image.onnx`` (an image tower), if it exists."""
+    name = path.name
+    for suffix in (".image.onnx", ".onnx"):
+        if name.endswith(suffix) and not name.endswith((".routing.onnx", ".text.onnx")):
+            sibling = path.with_name(f"{name[: -len(suffix)]}.routing.onnx")
+            return sibling if sibling.is_file() else None
+    return None

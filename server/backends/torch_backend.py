@@ -21,7 +21,7 @@ from softmoe_models.package import load_model
 from softmoe_models.soft_moe import configure_routing
 
 from ..batching.batcher import FatalBackendError
-from .base import Rows, specs_from_graphs, warm
+from .base import ROUTING, Rows, all_functions, routing_spec, specs_from_graphs, warm
 from .cuda import (
     TorchCudaRunner, check_module_device, configure_torch_determinism, is_sticky_cuda_error, require_torch_cuda,
     resolve_precision,
@@ -43,13 +43,14 @@ class TorchBackend:
         threads: intra-op CPU threads (0: torch's default).
         cuda_graphs: on CUDA, capture one CUDA graph per padded batch shape and replay it.
         pinned_staging: on CUDA, copy through pinned host buffers with async copies.
+        routing: offer the routing function (``export.graphs.RoutingGraph``, the same module).
     """
 
     name = "torch"
 
     def __init__(self, package: str | Path | nn.Module, *, device: str = "cpu", precision: str = "fp32",
                  max_batch_size: int = 8, threads: int = 0, cuda_graphs: bool = True,
-                 pinned_staging: bool = True) -> None:
+                 pinned_staging: bool = True, routing: bool = True) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {device!r}: use cpu or cuda")
         if threads:
@@ -68,15 +69,17 @@ class TorchBackend:
         check_module_device(self.model, self.device)
         graphs = graphs_for(self.model, dtype)
         self._modules = {"classify": graphs.get("classifier"), "image": graphs.get("image"),
-                         "text": graphs.get("text"), "encoder": graphs.get("encoder")}
+                         "text": graphs.get("text"), "encoder": graphs.get("encoder"), ROUTING: graphs.get(ROUTING)}
         self.functions = specs_from_graphs(graphs)
-        self._outputs = {fn: spec.outputs for fn, spec in self.functions.items()}
+        self.routing = routing_spec(graphs) if routing else None
+        self._specs = all_functions(self)
+        self._outputs = {fn: spec.outputs for fn, spec in self._specs.items()}
         self._cuda = (TorchCudaRunner(self.device, max_batch_size, cuda_graphs=cuda_graphs, pinned=pinned_staging)
                       if self.device.type == "cuda" else None)
 
     def run(self, fn: str, inputs: Rows) -> Rows:
         graph = self._modules[fn]
-        names = [s.name for s in self.functions[fn].inputs]
+        names = [s.name for s in self._specs[fn].inputs]
         try:
             if self._cuda is not None:
                 outs = self._cuda.run(fn, graph.module, [inputs[n] for n in names])

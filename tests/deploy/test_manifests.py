@@ -761,9 +761,12 @@ def test_dashboard_structure_and_coverage():
         "softmoe_batch_size_bucket", "softmoe_batch_padding_ratio_sum",  # batching
         "softmoe_queue_depth", "softmoe_requests_rejected_total", "softmoe_request_duration_seconds_count",
         "softmoe_model_ready", "DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED",
+        "softmoe_routing_expert_share", "softmoe_routing_drift", "softmoe_routing_drift_baseline",  # routing
+        "softmoe_routing_dispatch_entropy_sum", "softmoe_routing_combine_entropy_sum",
+        "job_model:softmoe_routing_drift:ratio",
     }
     assert wanted <= refs, wanted - refs
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
     for word in ("p50", "p95", "p99", "throughput", "batch size", "padding", "queue depth", "rejections",
-                 "status class", "ready", "gpu utilization", "framebuffer"):
+                 "status class", "ready", "gpu utilization", "framebuffer", "expert share", "drift", "entropy"):
         assert word in titles, word

@@ -90,6 +90,7 @@ class Traffic:
         yield "POST", "/v2/models/digits/infer", {"json": body}
         yield "POST", "/v1/embed", {"json": {"model": "digits-lit", "images": img[k:k + 2]}}
         yield "POST", "/v1/embeddings", {"json": {"model": "digits-lit", "input": ["the number seven", "a digit"]}}
+        yield "POST", "/v1/routing", {"json": {"images": img[k:k + 1]}}
         yield "POST", "/v1/classify", {"json": {"images": ["not base64!"]}}  # 400
         yield "POST", "/v1/classify", {"json": {"model": "nope", "images": img[:1]}}  # 404
         yield "POST", "/v1/classify", {"json": {"images": []}}  # 422
@@ -202,7 +203,8 @@ def test_rules_dashboard_and_adapter_query_on_a_real_prometheus(tmp_path):
         (gpu_only if "DCGM_" in expr else must_have_data).append((where, expr))
     assert len(gpu_only) == 2 and len(must_have_data) > 20
 
-    with live_server(create_app(Settings(max_queue=MAX_QUEUE))) as url, Traffic(url) as traffic:
+    # Routing statistics from every call (not 1 in 16), so the routing panels fill within the test.
+    with live_server(create_app(Settings(max_queue=MAX_QUEUE, routing_stats_sample=1))) as url, Traffic(url) as traffic:
         target = url.removeprefix("http://")
         with prometheus(tmp_path, target) as prom:
             t0 = time.monotonic()

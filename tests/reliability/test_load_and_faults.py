@@ -249,7 +249,7 @@ def test_not_ready_before_startup_and_every_shape_warmed():
         registry.warmup = real_warmup
     # Strict determinism runs the maximal shape and the smaller shapes proven bitwise equal to it;
     # every function of every model ran all of its shapes before ready.
-    assert set(shapes) == {"digits/classify", "digits-lit/image", "digits-lit/text"}
+    assert set(shapes) == {"digits/classify", "digits-lit/image", "digits-lit/text", "digits/routing", "digits-lit/routing"}
     for key, seen in shapes.items():
         model, fn = key.split("/")
         proven = set(app.state.models[model].queues[fn].shapes)

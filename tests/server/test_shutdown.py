@@ -23,7 +23,7 @@ def test_sigterm_drains_without_losing_requests(packages, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "softmoe_models.cli", "serve", "--model", f"golden={packages['golden']}",
          "--port", str(port), "--max-batch-size", "32", "--drain-seconds", "1.5", "--cache-dir", str(tmp_path)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT, text=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:

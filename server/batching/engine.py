@@ -1,0 +1,790 @@
+"""The engine process of ``--frontend-workers N``: the one Batcher and the backends of a device,
+fed by N front-end processes through shared memory. Knows nothing about HTTP.
+
+Process layout (``Supervisor``, run by ``server.run.serve``; spawn context, each child in its own
+process group so a terminal's Ctrl-C reaches only the parent, which coordinates the shutdown)::
+
+    parent (supervisor: binds the port, forwards signals, respawns a front end that dies)
+      engine   models loaded once, warm-up and proven shapes as in one process, Batcher + worker
+      front end 0..N-1   uvicorn on the parent's listening socket, a RemoteBatcher (remote.py)
+
+Transport: one Unix stream socket per front end (in a 0700 temporary directory), length-prefixed
+frames. The first frame is raw bytes (a random token from the parent, the front end's index and
+pid); only an authenticated peer's frames are unpickled after it.
+
+Shared memory (``multiprocessing.shared_memory``, created and unlinked by the engine):
+
+* the admission table, int64 cells under one cross-process lock (``AdmissionTable``):
+  ``owner pid | queued[Q] | reserved[Q, N] | sent[Q, N]`` for the Q model queues: ``queued`` is
+  the engine queue's length (the engine writes it whenever its items change), ``reserved`` the
+  places each front end's requests hold before decoding, ``sent`` rows on their way to the
+  engine. A front end reserves and submits against ``queued + reserved + sent <= max_queue``
+  without a round trip, so ``Batcher.reserve`` stays synchronous and admission stays global;
+* one arena per front end (``Arena``): ``slots`` fixed-size slots, each holding one row of any
+  queue, its inputs at fixed offsets computed from the model's input specs. A submit frame
+  carries the slot index; the engine copies the row out at once and frees the slot (``FREED``
+  frames, one per read); outputs are small and come back in the result frame.
+
+Every waiting item gets its result or its exception: a ``ServiceError`` crosses the boundary as
+(class, status, type, message, param, headers). A front end that disconnects (it died) has its
+reservations and in-flight rows released and its queued items cancelled (dropped before compute);
+if it died holding the admission lock, the engine takes the lock over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import itertools
+import logging
+import multiprocessing
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from multiprocessing.connection import wait as wait_any
+from typing import Any, Callable
+
+import numpy as np
+
+from .. import errors
+from ..errors import ServiceError, Unavailable
+from .batcher import Batcher, ModelQueue
+
+log = logging.getLogger("softmoe.engine")
+slog = logging.getLogger("softmoe.server")  # the supervisor's lines: the server's own
+
+# Frame kinds. Front end -> engine: SUBMIT, CANCEL. Engine -> front end: the rest.
+WELCOME, SUBMIT, CANCEL, RESULT, ERROR, FREED, STATE = range(7)
+HELLO = struct.Struct("<16sii")  # token, front-end index, pid: the one frame that is not pickled
+TOKEN_BYTES = 16
+ARENA_BYTES = 64 << 20  # per front end; slots = ARENA_BYTES // slot size, within SLOTS
+SLOTS = (16, 1024)
+ALIGN = 64
+LOCK_WAIT_S = 5.0  # a lock held this long belongs to a process that died inside its section
+
+
+def frame(message: Any) -> bytes:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(data).to_bytes(4, "little") + data
+
+
+class Link:
+    """Length-prefixed frames over an asyncio transport; sends are coalesced per loop turn."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._out: list[bytes] = []
+        self.closed = False
+
+    def send(self, message: Any) -> None:
+        if self.closed or self.transport is None:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(frame(message))
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and not self.closed and self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(out))
+
+    def feed(self, data: bytes) -> list[Any]:
+        """The complete frames received so far."""
+        self._buf += data
+        messages, at, end = [], 0, len(self._buf)
+        while end - at >= 4:
+            n = int.from_bytes(self._buf[at:at + 4], "little")
+            if end - at - 4 < n:
+                break
+            messages.append(pickle.loads(self._buf[at + 4:at + 4 + n]))
+            at += 4 + n
+        del self._buf[:at]
+        return messages
+
+
+# ------------------------------------------------------------------ errors across the boundary
+
+_ERROR_CLASSES: dict[tuple[str, int, str], type[ServiceError]] = {}
+
+
+def pack_error(exc: BaseException) -> tuple:
+    if not isinstance(exc, ServiceError):  # the batcher resolves with ServiceErrors only; never a text leak
+        exc = errors.ServiceError("the inference engine failed on this request")
+    return (type(exc).__name__, exc.status, exc.type, exc.message, exc.param, dict(exc.headers))
+
+
+def unpack_error(packed: tuple) -> ServiceError:
+    """The same class (or one with the same status and type), message, param and headers."""
+    name, status, kind, message, param, headers = packed
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ServiceError) and cls.status == status and cls.type == kind):
+        cls = _ERROR_CLASSES.setdefault((name, status, kind),
+                                        type(name, (ServiceError,), {"status": status, "type": kind}))
+    exc = cls.__new__(cls)
+    ServiceError.__init__(exc, message, param=param, headers=dict(headers))
+    return exc
+
+
+# ------------------------------------------------------------------ shared memory
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class AdmissionTable:
+    """Queue places of every model queue, shared by the engine and the front ends (see the module
+    docstring); every read-modify-write happens under ``hold()``."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, lock, queues: int, frontends: int, *, engine: bool) -> None:
+        self.shm, self.lock, self.engine = shm, lock, engine
+        cells = np.ndarray((1 + queues + 2 * queues * frontends,), dtype=np.int64, buffer=shm.buf)
+        self.cells = cells
+        self.queued = cells[1:1 + queues]
+        self.reserved = cells[1 + queues:1 + queues + queues * frontends].reshape(queues, frontends)
+        self.sent = cells[1 + queues + queues * frontends:].reshape(queues, frontends)
+
+    @classmethod
+    def create(cls, lock, queues: int, frontends: int, name: str | None = None) -> AdmissionTable:
+        shm = shared_memory.SharedMemory(name=name, create=True, size=8 * (1 + queues + 2 * queues * frontends))
+        table = cls(shm, lock, queues, frontends, engine=True)
+        table.cells[:] = 0
+        return table
+
+    @classmethod
+    def attach(cls, name: str, lock, queues: int, frontends: int) -> AdmissionTable:
+        return cls(shared_memory.SharedMemory(name=name), lock, queues, frontends, engine=False)
+
+    def taken(self, q: int) -> int:
+        return int(self.queued[q] + self.reserved[q].sum() + self.sent[q].sum())
+
+    @contextlib.contextmanager
+    def hold(self):
+        """The lock, for a section of a few microseconds. A front end that waits past
+        ``LOCK_WAIT_S`` gets 503; the engine takes over a lock whose holder died inside its section."""
+        start = time.monotonic()
+        while not self.lock.acquire(timeout=0.25):
+            owner = int(self.cells[0])
+            stuck = time.monotonic() - start > LOCK_WAIT_S
+            if self.engine and ((owner and not _alive(owner)) or (not owner and stuck)):
+                log.warning("the admission lock was held by a process that died (pid %s); taking it over", owner or "?")
+                break
+            if stuck and not self.engine:
+                raise Unavailable("the admission table is locked; retry shortly", retry_after_s=2)
+        self.cells[0] = os.getpid()
+        try:
+            yield
+        finally:
+            self.cells[0] = 0
+            self.lock.release()
+
+    def forget(self, index: int) -> None:
+        """Give back every place a front end held (it disconnected)."""
+        with self.hold():
+            self.reserved[:, index] = 0
+            self.sent[:, index] = 0
+
+    def close(self, unlink: bool = False) -> None:
+        self.cells = self.queued = self.reserved = self.sent = None  # no view may outlive the mapping
+        with contextlib.suppress(BufferError):  # a view still held somewhere: the mapping goes with the process
+            self.shm.close()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int
+
+
+def layouts(queues: list[dict]) -> tuple[list[list[Field]], int]:
+    """Per queue, where each input of a row sits in a slot; and the slot size (the largest row)."""
+    out, size = [], ALIGN
+    for q in queues:
+        fields, at = [], 0
+        for name, shape, dtype in q["inputs"]:
+            dtype = np.dtype(dtype)
+            fields.append(Field(name, tuple(shape), dtype, at))
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            at += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+        out.append(fields)
+        size = max(size, at)
+    return out, size
+
+
+class Arena:
+    """One front end's input slots: row i of queue q lives at ``i * slot_bytes + field.offset``."""
+
+    def __init__(self, shm: shared_memory.SharedMemory, queues: list[dict], slots: int) -> None:
+        self.shm, self.slots = shm, slots
+        fields, self.slot_bytes = layouts(queues)
+        # One strided view per (queue, input) over every slot: row i is view[i].
+        self.views: list[list[tuple[Field, np.ndarray]]] = [
+            [(f, np.ndarray((slots, *f.shape), dtype=f.dtype, buffer=shm.buf, offset=f.offset,
+                            strides=(self.slot_bytes, *_strides(f.shape, f.dtype.itemsize)))) for f in q]
+            for q in fields
+        ]
+
+    @staticmethod
+    def size_for(queues: list[dict]) -> tuple[int, int]:
+        """(slots, bytes) of an arena for these queues."""
+        _, slot_bytes = layouts(queues)
+        slots = min(SLOTS[1], max(SLOTS[0], ARENA_BYTES // slot_bytes))
+        return slots, slots * slot_bytes
+
+    def write(self, slot: int, q: int, row: dict[str, np.ndarray]) -> bool:
+        """Copy a row into a slot; False when it does not match the queue's inputs (sent inline then)."""
+        views = self.views[q]
+        if len(row) != len(views):
+            return False
+        for f, view in views:
+            arr = row.get(f.name)
+            if not isinstance(arr, np.ndarray) or arr.shape != f.shape or arr.dtype != f.dtype:
+                return False
+        for f, view in views:
+            view[slot] = row[f.name]
+        return True
+
+    def read(self, slot: int, q: int) -> dict[str, np.ndarray]:
+        return {f.name: view[slot].copy() for f, view in self.views[q]}
+
+    def close(self, unlink: bool = False) -> None:
+        self.views = []
+        with contextlib.suppress(BufferError):
+            self.shm.close()
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
+
+
+def _strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    out, step = [], itemsize
+    for d in reversed(shape):
+        out.append(step)
+        step *= d
+    return tuple(reversed(out))
+
+
+# ------------------------------------------------------------------ the engine
+
+
+def describe_model(model) -> dict:
+    """What a front end needs of a loaded ServedModel, picklable: no weights, no backend."""
+    tokenizer = model.tokenizer.sp.serialized_model_proto() if model.tokenizer is not None else None
+    routing = getattr(model, "routing", None)  # its sampling decisions stay in the engine; its window per process
+    if routing is not None:  # its metric children stay here (they hold locks); the copy binds its own
+        fresh = {"series": {}, "calls": 0}
+        routing = dataclasses.replace(routing, **{f.name: fresh[f.name] for f in dataclasses.fields(routing)
+                                                  if f.name in fresh})
+    return {
+        "name": model.name, "kind": model.kind, "source": model.source, "backend": model.backend.name,
+        "functions": dict(model.backend.functions), "info": model.backend.describe(),
+        "max_batch_size": model.backend.max_batch_size, "preprocess": model.preprocess, "labels": model.labels,
+        "head_activation": model.head_activation, "text_contract": model.text_contract, "tokenizer": tokenizer,
+        "logit_scale": model.logit_scale, "logit_bias": model.logit_bias, "templates": list(model.templates),
+        "vocab_size": model.vocab_size, "proven_shapes": dict(model.proven_shapes),
+        "routing": routing, "routing_spec": getattr(model.backend, "routing", None),
+    }
+
+
+def function_spec(backend, fn: str):
+    """The FunctionSpec of a queue's function (the routing function is not in ``functions``)."""
+    spec = backend.functions.get(fn)
+    return spec if spec is not None else getattr(backend, "routing", None)
+
+
+class Engine:
+    """The device's Batcher, its model queues in the admission table, and the front ends' links."""
+
+    def __init__(self, settings, models: list, frontends: int, lock, metrics, prefix: str | None = None) -> None:
+        from ..registry import attach_queues
+
+        self.settings, self.models, self.frontends, self.metrics = settings, models, frontends, metrics
+        self.batcher = Batcher(settings.device, metrics)
+        for m in models:
+            metrics.init_model(m.name)
+            attach_queues(m, self.batcher, settings, metrics)
+            info = m.backend.describe()
+            providers = info.get("providers") or {}
+            provider = sorted({p[0] for p in providers.values() if p})[0] if providers else info.get("device", "")
+            metrics.backend_info.labels(m.name, info.get("backend", m.backend.name), info.get("device", ""),
+                                        info.get("precision", settings.precision), provider).set(1)
+        # Queue i of the table, with its function's inputs (the arena's slot layout).
+        self.queues: list[ModelQueue] = [q for m in models for q in m.queues.values()]
+        self.specs = [function_spec(m.backend, fn) for m in models for fn in m.queues]
+        # Shared memory names start with ``prefix``: the supervisor unlinks them if this process dies.
+        self.prefix, self._arenas = prefix, itertools.count()
+        self.table = AdmissionTable.create(lock, len(self.queues), frontends, f"{prefix}_t" if prefix else None)
+        for i, q in enumerate(self.queues):
+            q._gauge = _Publish(q, self.table, i)  # the queue's length, into the table at every change
+        self.links: dict[int, EngineLink] = {}
+        self.dead_sent: str | None = None
+        self.orphaned = False
+
+    def warm_up(self) -> None:
+        from ..registry import warmup
+
+        for m in self.models:
+            warmup(m, self.settings, log.info)
+            m.ready = True
+            self.metrics.model_ready.labels(m.name).set(1)
+
+    def description(self) -> dict:
+        queues = [{"name": q.name, "label": q.label, "max_batch_size": q.max_batch_size, "max_queue": q.max_queue,
+                   "pad": q.pad, "shapes": tuple(q.shapes),
+                   "inputs": [(s.name, s.shape, np.dtype(s.dtype).str) for s in spec.inputs]}
+                  for q, spec in zip(self.queues, self.specs)]
+        return {"device": self.settings.device, "pid": os.getpid(), "frontends": self.frontends,
+                "table": self.table.shm.name, "queues": queues, "models": [describe_model(m) for m in self.models]}
+
+    async def serve(self, path: str, token: bytes, ready: Callable[[], None]) -> None:
+        """Accept front ends on ``path`` until SIGTERM (or the parent is gone and so are they); then
+        finish what is queued, answer it, and release the shared memory."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        description = self.description()
+        server = await loop.create_unix_server(lambda: EngineLink(self, token, description), path)
+        os.chmod(path, 0o600)
+        self.batcher.start()
+        self.metrics.worker_alive.set(1)
+        ready()
+        watcher = loop.create_task(self._watch(stop))
+        try:
+            await stop.wait()
+        finally:
+            watcher.cancel()
+            server.close()
+            await asyncio.to_thread(self.batcher.stop)  # queued items finish; their results go out
+            await asyncio.sleep(0.05)
+            for link in list(self.links.values()):
+                link.drop()
+            self.metrics.worker_alive.set(0)
+            self.table.close(unlink=True)
+            for m in self.models:
+                m.ready = False
+                with contextlib.suppress(Exception):
+                    m.backend.close()
+
+    async def _watch(self, stop: asyncio.Event) -> None:
+        """Tell the front ends when the device worker dies; stop once orphaned and alone."""
+        while True:
+            await asyncio.sleep(0.1)
+            if not self.batcher.alive and self.dead_sent is None:
+                self.dead_sent = self.batcher.dead or "the device worker stopped"
+                self.metrics.worker_alive.set(0)
+                for link in self.links.values():
+                    link.send((STATE, self.dead_sent))
+            if self.orphaned and not self.links:
+                stop.set()
+
+    def attach(self, link: EngineLink) -> None:
+        old = self.links.pop(link.index, None)
+        if old is not None:  # the same index reconnecting: its predecessor is gone
+            old.drop()
+        self.links[link.index] = link
+
+    def detach(self, link: EngineLink) -> None:
+        if self.links.get(link.index) is link:
+            del self.links[link.index]
+
+
+class _Publish:
+    """``ModelQueue._gauge`` of an engine queue: the metric, and the queue's length into the table.
+    Called under the batcher's condition at every change of its items (submit, batch, death)."""
+
+    def __init__(self, queue: ModelQueue, table: AdmissionTable, index: int) -> None:
+        self.gauge, self.table, self.index, self.queue = queue._gauge, table, index, queue
+
+    def __call__(self) -> None:
+        if self.table.queued is not None:
+            self.table.queued[self.index] = len(self.queue.items)
+        self.gauge()
+
+
+class EngineLink(asyncio.Protocol):
+    """One front end's connection: its arena, its items waiting in the batcher."""
+
+    def __init__(self, engine: Engine, token: bytes, description: dict) -> None:
+        self.engine, self.token, self.description = engine, token, description
+        self.link = Link()
+        self.index = -1
+        self.pid = 0
+        self.arena: Arena | None = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self._hello = b""
+
+    def send(self, message: Any) -> None:
+        self.link.send(message)
+
+    def connection_made(self, transport) -> None:
+        self.link.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        if self.arena is None:
+            self._hello += data
+            if len(self._hello) < HELLO.size:
+                return
+            token, index, pid = HELLO.unpack_from(self._hello)
+            rest, self._hello = self._hello[HELLO.size:], b""
+            if not hmac.compare_digest(token, self.token) or not 0 <= index < self.engine.frontends:
+                log.warning("refused a connection that did not present the engine's token")
+                self.link.transport.close()
+                return
+            self.index, self.pid = index, pid
+            self.engine.attach(self)
+            slots, size = Arena.size_for(self.description["queues"])
+            name = f"{self.engine.prefix}_a{next(self.engine._arenas)}" if self.engine.prefix else None
+            shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+            self.arena = Arena(shm, self.description["queues"], slots)
+            self.send((WELCOME, {**self.description, "index": index, "arena": self.arena.shm.name, "slots": slots,
+                                 "dead": self.engine.dead_sent}))
+            log.info("front end %d (pid %d) connected", index, pid)
+            data = rest
+            if not data:
+                return
+        freed = []
+        for message in self.link.feed(data):
+            kind = message[0]
+            if kind == SUBMIT:
+                freed.append(self._submit(*message[1:]))
+            elif kind == CANCEL:
+                fut = self.pending.pop(message[1], None)
+                if fut is not None:
+                    fut.cancel()
+        freed = [s for s in freed if s >= 0]
+        if freed:
+            self.send((FREED, freed))
+
+    def _submit(self, item: int, q: int, slot: int, inline: dict | None, timeout_s: float, tag: str) -> int:
+        engine = self.engine
+        row = self.arena.read(slot, q) if slot >= 0 else inline
+        try:
+            with engine.table.hold():
+                engine.table.sent[q, self.index] -= 1
+                fut = engine.batcher.submit(engine.queues[q], row, timeout_s, tag=tag)
+        except ServiceError as e:
+            self.send((ERROR, item, pack_error(e)))
+            return slot
+        self.pending[item] = fut
+        fut.add_done_callback(lambda f, item=item: self._settled(item, f))
+        return slot
+
+    def _settled(self, item: int, fut: asyncio.Future) -> None:
+        self.pending.pop(item, None)
+        if fut.cancelled() or self.link.closed:
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.send((ERROR, item, pack_error(exc)))
+        else:
+            result = fut.result()
+            self.send((RESULT, item, result.outputs, result.timings))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.drop()
+
+    def drop(self) -> None:
+        """Close the link and release everything the front end held."""
+        if self.link.closed:
+            return
+        self.link.closed = True
+        if self.link.transport is not None:
+            self.link.transport.close()
+        if self.index < 0:
+            return
+        self.engine.detach(self)
+        for fut in list(self.pending.values()):  # still queued: dropped before compute
+            fut.cancel()
+        self.pending.clear()
+        if self.engine.table.cells is not None:
+            self.engine.table.forget(self.index)
+        if self.arena is not None:
+            self.arena.close(unlink=True)
+        log.info("front end %d (pid %d) disconnected; its places were released", self.index, self.pid)
+
+
+# ------------------------------------------------------------------ processes
+
+
+def tell(report, message: tuple) -> None:
+    """A message to the supervisor, which may no longer listen (a front end started again)."""
+    with contextlib.suppress(OSError):
+        report.send(message)
+
+
+def child_setup(log_level: str, on_parent_exit: Callable[[], None]) -> None:
+    """A child of the supervisor: its own process group, the server's logging, and a watch on the
+    parent (a SIGKILLed supervisor must not leave its children serving)."""
+    import sys
+
+    import uvicorn
+
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    logging.basicConfig(level=uvicorn.config.LOG_LEVELS[log_level.lower()], stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        def watch() -> None:
+            parent.join()
+            log.warning("the supervisor process exited; shutting down")
+            on_parent_exit()
+
+        threading.Thread(target=watch, name="softmoe-parent-watch", daemon=True).start()
+
+
+def engine_main(settings, frontends: int, lock, path: str, token: bytes, report, prefix: str | None = None) -> None:
+    """The engine process: load every model, warm up, then serve the front ends until SIGTERM.
+
+    Args:
+        settings: the server's Settings.
+        frontends: how many front-end processes connect (indices 0..frontends-1).
+        lock: the admission table's cross-process lock (from the supervisor's spawn context).
+        path: the Unix socket to listen on.
+        token: the bytes a front end must present first.
+        report: a Connection to the supervisor: ``("ready", pid)`` or ``("error", one line)``.
+        prefix: the names of the shared memory segments begin with it (see ``unlink_segments``).
+    """
+    from ..metrics import Metrics
+    from ..run import StartupError, check_backend, describe, load_models
+
+    state: dict[str, Any] = {}
+
+    def orphaned() -> None:
+        engine = state.get("engine")
+        if engine is None:
+            os._exit(1)
+        engine.orphaned = True
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor says when: after the front ends
+    child_setup(settings.log_level, orphaned)
+    try:
+        check_backend(settings)
+        models = load_models(settings)
+        try:
+            engine = state["engine"] = Engine(settings, models, frontends, lock, Metrics(), prefix)
+            engine.warm_up()
+        except Exception as e:
+            log.debug("start-up failed", exc_info=True)
+            for m in models:
+                with contextlib.suppress(Exception):
+                    m.backend.close()
+            raise StartupError(f"start-up failed: {describe(e)}") from None
+    except StartupError as e:
+        tell(report, ("error", str(e)))
+        raise SystemExit(2) from None
+    started = []
+
+    def ready() -> None:
+        tell(report, ("ready", os.getpid()))
+        started.append(True)
+
+    try:
+        asyncio.run(engine.serve(path, token, ready))
+    except Exception as e:  # noqa: BLE001 - one line for the supervisor, the traceback in the log
+        if not started:
+            log.debug("start-up failed", exc_info=True)
+            tell(report, ("error", f"start-up failed: {describe(e)}"))
+            raise SystemExit(2) from None
+        log.exception("the engine failed")
+        raise SystemExit(1) from None
+    log.info("engine stopped")
+
+
+def new_token() -> bytes:
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
+def unlink_segments(prefix: str) -> int:
+    """Unlink the shared memory an engine that died left behind (Linux: ``/dev/shm``); how many."""
+    count = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    shm = shared_memory.SharedMemory(name=name)
+                    shm.close()
+                    shm.unlink()
+                    count += 1
+    return count
+
+
+# ------------------------------------------------------------------ the supervisor
+
+
+class Supervisor:
+    """``--frontend-workers N`` (N >= 2): N front-end processes (HTTP, parsing, decoding,
+    preprocessing) on this process's listening socket, passed to each (spawn context: the
+    descriptor is inherited; the kernel hands each connection to whichever front end accepts it
+    first), feeding one engine process (``engine_main``: the Batcher and the backends,
+    through shared memory). ``server.run.serve`` runs it in the process that bound the port, which
+    supervises:
+
+    * start-up: all start at once (the front ends import while the engine loads and warms up),
+      the front ends connect once the engine listens; any failure is one line (StartupError) and
+      every child is stopped;
+    * SIGTERM/SIGINT: forwarded to every front end (each drains as one process does); once they
+      have exited, the engine finishes what is queued and exits; exit status 0. A second signal is
+      forwarded too (the front ends stop draining);
+    * a front end that dies is started again (the engine released its places); an engine that
+      dies leaves the front ends answering 503, unready and unlive (as a dead device worker does),
+      and the exit status 1;
+    * metrics: prometheus_client's multiprocess mode in a temporary directory; any front end's
+      ``/metrics`` merges every process (server.batching.remote.merge_process_metrics).
+    """
+
+    def __init__(self, settings, sock: socket.socket, frontend: Callable) -> None:
+        """
+        Args:
+            settings: the server's Settings (``frontend_workers`` >= 2).
+            sock: the bound listening socket, shared by the front ends.
+            frontend: a front-end process's target, called as ``frontend(settings, index, sock, path,
+                token, lock, metrics_dir, report)`` (``server.run`` builds the app and runs uvicorn).
+        """
+        self.settings, self.sock, self.n, self.frontend = settings, sock, settings.frontend_workers, frontend
+        self.ctx = multiprocessing.get_context("spawn")
+        self.workdir = tempfile.mkdtemp(prefix="softmoe-serve-")  # 0700: the engine's socket, metric files
+        self.path = os.path.join(self.workdir, "engine.sock")
+        self.metrics_dir = os.path.join(self.workdir, "metrics")
+        os.mkdir(self.metrics_dir)
+        self.lock = self.ctx.Lock()
+        self.token = new_token()
+        self.prefix = f"softmoe_{os.getpid()}_{self.token.hex()[:8]}"
+        self.engine = None
+        self.frontends: list = [None] * self.n
+        self.started_at = [0.0] * self.n
+        self.signals = 0
+        self.engine_lost = False
+
+    def run(self) -> None:
+        def interrupt(sig: int, frame) -> None:
+            raise KeyboardInterrupt  # during start-up: stop the children, clean up, exit 130
+
+        signal.signal(signal.SIGTERM, interrupt)
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_dir  # read by the children at import
+        try:
+            # All at once: the front ends import while the engine loads, then connect when it listens.
+            engine = self._spawn(self._engine_args(), "the engine")
+            self.engine = engine[0]
+            frontends = [self._spawn(self._frontend_args(i), f"front end {i}") for i in range(self.n)]
+            self.frontends = [proc for proc, _ in frontends]
+            self.started_at = [time.monotonic()] * self.n
+            self._await_ready(*engine, "the engine")
+            for i, (proc, recv) in enumerate(frontends):
+                self._await_ready(proc, recv, f"front end {i}")
+            host, port = self.sock.getsockname()[:2]
+            slog.info("listening on http://%s:%d (%d front-end processes, engine pid %d)",
+                      f"[{host}]" if ":" in host else host, port, self.n, self.engine.pid)
+            self._supervise()
+        finally:
+            for p in [*self.frontends, self.engine]:
+                if p is not None and p.is_alive():
+                    p.kill()
+                    p.join(5)
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+            unlink_segments(self.prefix)
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.engine_lost:
+            raise SystemExit(1)
+
+    def _engine_args(self):
+        return engine_main, (self.settings, self.n, self.lock, self.path, self.token), {"prefix": self.prefix}
+
+    def _frontend_args(self, i: int):
+        return self.frontend, (self.settings, i, self.sock, self.path, self.token, self.lock, self.metrics_dir), {}
+
+    def _spawn(self, spec, what: str):
+        """Start a child; returns it and the end of the pipe it reports on."""
+        target, args, kwargs = spec
+        recv, send = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(target=target, args=(*args, send), kwargs=kwargs, name=f"softmoe {what}")
+        proc.start()
+        send.close()
+        return proc, recv
+
+    @staticmethod
+    def _await_ready(proc, recv, what: str) -> None:
+        """Until the child reports ready. Raises StartupError (its one line) if it cannot start."""
+        from ..run import StartupError
+
+        try:
+            ready = wait_any([recv, proc.sentinel])
+            if recv in ready:
+                try:
+                    kind, value = recv.recv()
+                except EOFError:
+                    kind, value = "error", None
+                if kind == "ready":
+                    return
+                proc.join(10)
+                raise StartupError(value or f"{what} exited during start-up (exit code {proc.exitcode})")
+            proc.join(1)
+            raise StartupError(f"{what} exited during start-up (exit code {proc.exitcode})")
+        finally:
+            recv.close()
+
+    def _supervise(self) -> None:
+        from .remote import forget_process_metrics
+
+        def on_signal(sig: int, frame) -> None:
+            self.signals += 1
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        forwarded = 0
+        while True:
+            if self.signals > forwarded:
+                if not forwarded:
+                    slog.info("stopping: the front ends drain, then the engine finishes its queue")
+                forwarded = self.signals
+                for p in self.frontends:
+                    if p is not None and p.is_alive():
+                        os.kill(p.pid, signal.SIGTERM)
+            live = [p for p in self.frontends if p is not None]
+            if forwarded and not any(p.is_alive() for p in live):
+                break
+            watched = [p.sentinel for p in live if p.is_alive()]
+            wait_any(watched + ([self.engine.sentinel] if not self.engine_lost else []), timeout=0.2)
+            for i, p in enumerate(self.frontends):
+                if p is None or p.is_alive():
+                    continue
+                forget_process_metrics(p.pid, self.metrics_dir)
+                if forwarded:
+                    self.frontends[i] = None
+                elif time.monotonic() - self.started_at[i] > 2.0:  # at most one start every 2 s
+                    slog.warning("front end %d (pid %d) exited (code %s); starting another", i, p.pid, p.exitcode)
+                    self.started_at[i] = time.monotonic()
+                    self.frontends[i], recv = self._spawn(self._frontend_args(i), f"front end {i}")
+                    recv.close()  # it reports nothing: it logs
+            if not self.engine_lost and not self.engine.is_alive():
+                self.engine_lost = True
+                unlink_segments(self.prefix)
+                forget_process_metrics(self.engine.pid, self.metrics_dir)
+                slog.error("the engine (pid %d) exited (code %s): every front end answers 503 and fails liveness "
+                          "until this replica is restarted", self.engine.pid, self.engine.exitcode)
+        if self.engine.is_alive():
+            self.engine.terminate()  # SIGTERM: finish the queue, answer it, release the shared memory
+            self.engine.join(max(30, self.settings.request_timeout_s + 5))
