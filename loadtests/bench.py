@@ -1,101 +1,292 @@
 """`make bench`: every performance claim as a ratio measured side by side in one run.
 
-    python -m loadtests.bench [--quick] [--skip LIST]
+    python -m loadtests.bench [--quick | --smoke] [--skip LIST] [--peers-python PY] [--peers-model NAME]
 
-Sections (each prints its table; the last line of the run is one JSON object with every ratio):
-  layers     Soft MoE layer stacks, S/16 (3 blocks; batch 1/8/32) and B/16 (1 block; batch 1/8):
-             reference einsum vs fused, PyTorch eager vs ONNX Runtime (export.bench).
-  serving    A paper-shaped Soft MoE (soft-s16-e128, 224x224, 922M params) behind `softmoe serve`:
-             dynamic batching vs max batch size 1, strict determinism vs the loosest setting, and
-             end-to-end /v1/classify with real 640x480 JPEGs vs the raw backend at the same batch.
+Sections, in the order they run (each prints its table; the last line of the run is one JSON
+object with every ratio):
   decode     decode+preprocess of 640x480 JPEGs to 224x224 with and without JPEG draft mode.
   zeroshot   /v1/zero-shot on the default digits-lit model with the label-embedding cache vs without.
+  serving    A paper-shaped Soft MoE (soft-s16-e128, 224x224, 922M params) behind `softmoe serve`
+             (its default backend), in pairs of servers alive together (two fit in 23 GB): dynamic
+             batching vs max batch size 1; end-to-end /v1/classify with real 640x480 JPEGs vs the
+             raw backend at the same batch; strict determinism (smallest proven padded shape) vs
+             loose at saturation and at concurrency 1; strict with full padding vs loose at
+             concurrency 1.
+  frontend   The server's own cost: the whole front end with a backend that does no model work
+             (loadtests/noop_server.py), requests/s and images/s per process and per CPU-second,
+             1 process vs N independent processes (N = the CPUs, at least 2).
+  peers      The same exported ONNX graph with the same batching limits, decode and threads behind
+             `softmoe serve --backend onnxruntime` (and with --no-strict-determinism), LitServe and
+             Ray Serve (loadtests/peers/): throughput at saturation and p50/p99 at concurrency 1, as
+             ratios to ours. A peer whose package does not import under --peers-python is skipped
+             (its keys are absent).
+  layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
+             eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
+
+--quick: fewer rounds and sizes. --smoke: every section on tiny models (the shipped digits
+packages, a tiny Soft MoE stack, the no-op front end) with windows of a fraction of a second:
+proves the bench runs and emits every key (tests/loadtests/test_bench_smoke.py); its figures
+mean nothing.
 
 Method: the alternatives run in alternating windows (shuffled each round) on one machine in one
 run; throughput is a closed loop of concurrent clients; the figure is the median over windows.
-Servers are separate processes on loopback; the load generator is this process.
+Servers are separate processes on loopback; the load generator is this process, a minimal
+HTTP/1.1 keep-alive client (the same bytes to every server), so it costs the servers little CPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import contextlib
 import io
 import json
+import os
 import random
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-import httpx
 import numpy as np
 
-from loadtests.run import ServerProcess, wait_ready
+from loadtests.run import ServerProcess, free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
+MODES = ("full", "quick", "smoke")
 
 
-# ------------------------------------------------------------------ helpers
+def pick(mode: str, full, quick, smoke):
+    """The value of a setting for the run's mode."""
+    return {"full": full, "quick": quick, "smoke": smoke}[mode]
+
+
+# ------------------------------------------------------------------ processes
+
+
+def serve_many(specs: dict[str, list[str]], parallel: bool = True) -> dict[str, ServerProcess]:
+    """`softmoe serve` with each flag list (loadtests.run's child process on a free loopback port),
+    returned when every one is ready. ``parallel``: all started at once (small models); else one
+    after the other, each ready before the next starts (a soft-s16-e128 server peaks at ~11 GB
+    while it loads, ~7.5 GB after)."""
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for name, args in specs.items():
+            servers[name] = ServerProcess(shlex.join(args), Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
+            if not parallel:
+                wait_ready(servers[name].url, 900, servers[name])
+        for s in servers.values():
+            wait_ready(s.url, 900, s)
+    except BaseException:
+        for s in servers.values():
+            s.stop()
+        raise
+    return servers
 
 
 def serve(args: list[str]) -> ServerProcess:
-    """`softmoe serve` (loadtests.run's child process on a free loopback port), ready for traffic."""
-    server = ServerProcess(shlex.join(args), Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
+    return serve_many({"server": args})["server"]
+
+
+class Child(ServerProcess):
+    """Any server command on a given loopback port, stopped as ServerProcess stops `softmoe serve`
+    (SIGTERM, kill after 30 s), then whatever it left in its own process group (Ray's agents)."""
+
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None) -> None:  # noqa: D107
+        self.port, self.url, self.cmd = port, f"http://127.0.0.1:{port}", cmd
+        self.log_path = Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+
+    def stop(self) -> int | None:
+        code = super().stop()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return code
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process, all its threads (Linux /proc); None elsewhere."""
     try:
-        wait_ready(server.url, 600, server)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
-async def _closed_loop(url: str, path: str, make_request, seconds: float, concurrency: int) -> tuple[int, int]:
-    """(items completed, errors) of a closed loop of ``concurrency`` clients for ``seconds``."""
-    done = errors = 0
-    stop = time.perf_counter() + seconds
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
-        async def worker(i: int) -> None:
-            nonlocal done, errors
-            k = i
-            while time.perf_counter() < stop:
-                kwargs, items = make_request(k)
-                k += concurrency
-                r = await client.post(path, **kwargs)
-                if r.status_code == 200:
-                    done += items
-                else:
-                    errors += 1
-        await asyncio.gather(*(worker(i) for i in range(concurrency)))
-    return done, errors
+# ------------------------------------------------------------------ the client
+
+
+def wire(path: str, body: bytes, content_type: str) -> bytes:
+    """One HTTP/1.1 POST, ready to send on a keep-alive connection."""
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def jpeg_request(path: str, data: bytes) -> bytes:
+    return wire(path, data, "image/jpeg")
+
+
+def json_request(path: str, obj: dict) -> bytes:
+    return wire(path, json.dumps(obj).encode(), "application/json")
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bool]:
+    """Send one request, read its whole response; (status, whether the server closes)."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    length, chunked, close = None, False, False
+    for line in lines[1:]:
+        key, _, value = line.partition(b":")
+        key, value = key.strip().lower(), value.strip().lower()
+        if key == b"content-length":
+            length = int(value)
+        elif key == b"transfer-encoding":
+            chunked = b"chunked" in value
+        elif key == b"connection":
+            close = value == b"close"
+    if chunked:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    elif length is not None:
+        await reader.readexactly(length)
+    elif status not in (204, 304):
+        await reader.read()
+        close = True
+    return status, close
+
+
+@dataclass
+class Load:
+    """One window of a closed loop."""
+
+    seconds: float
+    requests: int = 0  # successful
+    items: int = 0  # images in the successful requests
+    errors: int = 0
+    latencies: list[float] = field(default_factory=list)  # seconds, successful requests
+    client_cpu: float = 0.0  # CPU seconds of this process (the load generator)
+    server_cpu: float | None = None  # CPU seconds of the given server processes
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.seconds
+
+    def ms(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q)) * 1e3 if self.latencies else float("nan")
+
+
+async def _closed_loop(ports: list[int], requests: list[tuple[bytes, int]], seconds: float, concurrency: int,
+                       min_requests: int, timeout: float) -> Load:
+    """``concurrency`` clients, client i on ``ports[i % len(ports)]``, each sending its next request
+    as soon as the last one is answered, for ``seconds`` (and at least ``min_requests`` requests)."""
+    conns = [list(await asyncio.open_connection("127.0.0.1", ports[i % len(ports)])) for i in range(concurrency)]
+    out = Load(0.0)
+    t0 = time.perf_counter()
+    stop = t0 + seconds
+
+    async def client(i: int) -> None:
+        reader, writer = conns[i]
+        k = i
+        while time.perf_counter() < stop or out.requests + out.errors < min_requests:
+            request, items = requests[k % len(requests)]
+            k += concurrency
+            start = time.perf_counter()
+            try:
+                status, close = await asyncio.wait_for(_exchange(reader, writer, request), timeout)
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
+                status, close = 0, True
+            if status == 200:
+                out.latencies.append(time.perf_counter() - start)
+                out.requests += 1
+                out.items += items
+            else:
+                out.errors += 1
+            if close:
+                writer.close()
+                reader, writer = await asyncio.open_connection("127.0.0.1", ports[i % len(ports)])
+                conns[i] = [reader, writer]
+
+    try:
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+    finally:
+        out.seconds = time.perf_counter() - t0
+        for _, writer in conns:
+            writer.close()
+    return out
 
 
 ERRORS: dict[str, int] = {}
 
 
-def throughput(url: str, path: str, make_request, seconds: float, concurrency: int) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    done, errors = asyncio.run(_closed_loop(url, path, make_request, seconds, concurrency))
-    if errors:
-        ERRORS[path] = ERRORS.get(path, 0) + errors
-    return done / (time.perf_counter() - t0), errors
+def load(ports: list[int], requests: list[tuple[bytes, int]], seconds: float, concurrency: int, *,
+         min_requests: int = 0, pids: list[int] = (), label: str = "", timeout: float = 120.0) -> Load:
+    """One closed-loop window (see ``_closed_loop``); failed requests are counted under ``label``
+    (the run's ``errors``) unless it is empty (warm-up, readiness polls)."""
+    server0 = [cpu_seconds(p) for p in pids]
+    client0 = time.process_time()
+    out = asyncio.run(_closed_loop(ports, requests, seconds, concurrency, min_requests, timeout))
+    out.client_cpu = time.process_time() - client0
+    server1 = [cpu_seconds(p) for p in pids]
+    if pids and None not in server0 + server1:
+        out.server_cpu = sum(b - a for a, b in zip(server0, server1))
+    if out.errors and label:
+        ERRORS[label] = ERRORS.get(label, 0) + out.errors
+    return out
 
 
-def interleave(windows: dict[str, callable], rounds: int, seed: int = 0) -> dict[str, list[float]]:
+def wait_answers(server: ServerProcess, request: bytes, timeout: float) -> None:
+    """Poll with a real request until one is answered 200 (servers without our readiness route)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.cmd[2:4]} exited with status {server.proc.returncode}:\n{server.tail()}")
+        try:
+            if load([server.port], [(request, 1)], 0.0, 1, min_requests=1, timeout=10).requests:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.url} did not answer after {timeout:.0f} s:\n{server.tail()}")
+        time.sleep(0.5)
+
+
+def interleave(windows: dict[str, Callable[[], object]], rounds: int, seed: int = 0) -> dict[str, list]:
     """Run each named measurement once per round, in a shuffled order; collect the values."""
     rng = random.Random(seed)
-    out: dict[str, list[float]] = {k: [] for k in windows}
+    out: dict[str, list] = {k: [] for k in windows}
     for _ in range(rounds):
         order = list(windows)
         rng.shuffle(order)
         for name in order:
             out[name].append(windows[name]())
     return out
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
 
 
 def jpeg(width: int, height: int, seed: int) -> bytes:
@@ -111,92 +302,19 @@ def jpeg(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
+def _windows(values: list[float], digits: int = 2) -> list[float]:
+    return [round(v, digits) for v in values]
+
+
 # ------------------------------------------------------------------ sections
 
 
-def section_layers(quick: bool) -> dict[str, float]:
-    from export.bench import run
-
-    out: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="softmoe-bench-") as tmp:
-        out.update(run(3, [1, 8] if quick else [1, 8, 32], 5 if quick else 10, Path(tmp), "S"))
-    if not quick:
-        with tempfile.TemporaryDirectory(prefix="softmoe-bench-") as tmp:
-            out.update(run(1, [1, 8], 6, Path(tmp), "B", suffix="_B"))
-    return out
-
-
-def section_serving(quick: bool, workdir: Path) -> dict[str, float]:
-    from server.backends.torch_backend import TorchBackend
-
-    pkg = workdir / "soft-s16-e128"
-    subprocess.run([sys.executable, "-m", "softmoe_models.cli", "init", "soft-s16-e128", "--out", str(pkg)], check=True,
-                   stdout=subprocess.DEVNULL)
-    small = [jpeg(224, 224, i) for i in range(64)]
-    large = [jpeg(640, 480, i) for i in range(64)]
-    batch = 32  # the Soft MoE layers stream their expert weights: per-image cost keeps falling past 8
-    window, rounds, conc = (8.0, 2, 64) if quick else (12.0, 4, 64)  # 2x the batch: always a full one queued
-    common = ["--model", f"s16={pkg}", "--max-delay-ms", "100"]  # ~4% of a full call: lets a batch refill
-    servers = {
-        "dynamic_strict": serve([*common, "--max-batch-size", str(batch)]),
-        "b1": serve([*common, "--max-batch-size", "1"]),
-        "dynamic_loose": serve([*common, "--max-batch-size", str(batch), "--no-strict-determinism"]),
-    }
-    try:
-
-        def req(images):
-            return lambda k: (dict(content=images[k % len(images)], headers={"content-type": "image/jpeg"}), 1)
-
-        windows = {name: (lambda s=s: throughput(s.url, "/v1/classify", req(small), window, conc)[0]) for name, s in servers.items()}
-        res = interleave(windows, rounds)
-        med = {k: statistics.median(v) for k, v in res.items()}
-        print(f"\nserving soft-s16-e128 (224x224 JPEG, /v1/classify, {conc} concurrent clients, max batch {batch} vs 1), "
-              "img/s median of windows:")
-        for k, v in res.items():
-            print(f"  {k:20} {med[k]:7.2f}   windows {[round(x, 2) for x in v]}")
-        out = {
-            "batching_vs_b1": round(med["dynamic_strict"] / med["b1"], 3),
-            "strict_determinism_cost": round(1 - med["dynamic_strict"] / med["dynamic_loose"], 3),
-            "img_per_s_dynamic": round(med["dynamic_strict"], 2),
-            "img_per_s_b1": round(med["b1"], 2),
-            "img_per_s_loose": round(med["dynamic_loose"], 2),
-            "serving_max_batch": batch,
-        }
-        servers["b1"].stop()
-        servers["dynamic_loose"].stop()
-
-        backend = TorchBackend(pkg, max_batch_size=batch)
-        pixels = {"pixel_values": np.random.default_rng(0).uniform(-1, 1, (batch, 3, 224, 224)).astype(np.float32)}
-        backend.run("classify", pixels)
-
-        def raw() -> float:
-            t0, n = time.perf_counter(), 0
-            while time.perf_counter() - t0 < window:
-                backend.run("classify", pixels)
-                n += batch
-            return n / (time.perf_counter() - t0)
-
-        e2e = lambda: throughput(servers["dynamic_strict"].url, "/v1/classify", req(large), window, conc)[0]  # noqa: E731
-        res2 = interleave({"raw_backend": raw, "e2e_classify_640x480_jpeg": e2e}, rounds, seed=1)
-        med2 = {k: statistics.median(v) for k, v in res2.items()}
-        print(f"\nend to end vs raw backend (batch {batch}), img/s median of windows:")
-        for k, v in res2.items():
-            print(f"  {k:28} {med2[k]:7.2f}   windows {[round(x, 2) for x in v]}")
-        out["e2e_vs_raw"] = round(med2["e2e_classify_640x480_jpeg"] / med2["raw_backend"], 3)
-        out["img_per_s_raw"] = round(med2["raw_backend"], 2)
-        out["img_per_s_e2e_640x480"] = round(med2["e2e_classify_640x480_jpeg"], 2)
-        return out
-    finally:
-        for s in servers.values():
-            s.stop()
-
-
-def section_decode(quick: bool) -> dict[str, float]:
+def section_decode(mode: str) -> dict[str, float]:
     from server.pipeline.decode import decode
     from softmoe_models.preprocess import PreprocessConfig, preprocess_image
 
     cfg = PreprocessConfig(image_size=224)
-    images = [jpeg(640, 480, i) for i in range(32)]
+    images = [jpeg(640, 480, i) for i in range(pick(mode, 32, 32, 4))]
 
     def rate(draft: bool) -> float:
         t0 = time.perf_counter()
@@ -204,30 +322,27 @@ def section_decode(quick: bool) -> dict[str, float]:
             preprocess_image(decode(data, cfg.image_size if draft else None), cfg)
         return len(images) / (time.perf_counter() - t0)
 
-    res = interleave({"draft": lambda: rate(True), "full": lambda: rate(False)}, 5 if quick else 11)
-    med = {k: statistics.median(v) for k, v in res.items()}
+    res = interleave({"draft": lambda: rate(True), "full": lambda: rate(False)}, pick(mode, 11, 5, 1))
+    med = {k: median(v) for k, v in res.items()}
     print(f"\ndecode+preprocess 640x480 JPEG -> 224x224, img/s (one thread): draft {med['draft']:.0f}, full {med['full']:.0f}")
     return {"draft_decode_speedup": round(med["draft"] / med["full"], 3),
             "img_per_s_decode_draft": round(med["draft"], 1), "img_per_s_decode_full": round(med["full"], 1)}
 
 
-def section_zeroshot(quick: bool) -> dict[str, float]:
-    from softmoe_models.demo.data import WORDS, digit_png
+def section_zeroshot(mode: str) -> dict[str, float]:
     from sklearn.datasets import load_digits
 
-    digits = load_digits()
-    blobs = [digit_png(v) for v in digits.data[:64]]
-    servers = {"cache": serve([]), "no_cache": serve(["--label-cache-size", "0"])}
+    from softmoe_models.demo.data import WORDS, digit_png
+
+    blobs = [digit_png(v) for v in load_digits().data[:64]]
+    requests = [(json_request("/v1/zero-shot", {"model": "digits-lit", "images": [b64(b)], "labels": WORDS}), 1)
+                for b in blobs]
+    servers = serve_many({"cache": [], "no_cache": ["--label-cache-size", "0"]})
     try:
-        import base64
-
-        def req(k):
-            return dict(json={"model": "digits-lit", "images": [base64.b64encode(blobs[k % 64]).decode()], "labels": WORDS}), 1
-
-        window = 3.0 if quick else 5.0
-        res = interleave({n: (lambda s=s: throughput(s.url, "/v1/zero-shot", req, window, 4)[0]) for n, s in servers.items()},
-                         3 if quick else 5)
-        med = {k: statistics.median(v) for k, v in res.items()}
+        window = pick(mode, 3.0, 2.0, 0.3)
+        res = interleave({n: (lambda s=s: load([s.port], requests, window, 4, label="zero-shot").rps)
+                          for n, s in servers.items()}, pick(mode, 3, 2, 1))
+        med = {k: median(v) for k, v in res.items()}
         print(f"\nzero-shot digits-lit, 10 labels x 4 prompts, req/s: cache {med['cache']:.1f}, no cache {med['no_cache']:.1f}")
         return {"zero_shot_cache_speedup": round(med["cache"] / med["no_cache"], 3),
                 "req_per_s_zero_shot_cache": round(med["cache"], 1), "req_per_s_zero_shot_no_cache": round(med["no_cache"], 1)}
@@ -236,15 +351,355 @@ def section_zeroshot(quick: bool) -> dict[str, float]:
             s.stop()
 
 
-def section_gpu(quick: bool) -> dict[str, float | str]:
+@contextlib.contextmanager
+def _tiny_stacks():
+    """export.bench's stack shrunk to a smoke size: d=32, 2 heads, 8 experts of width 64, 16 tokens."""
+    from unittest import mock
+
+    import export.bench as layer_bench
+
+    with mock.patch.object(layer_bench, "EXPERTS", 8), mock.patch.object(layer_bench, "TOKENS", 16), \
+            mock.patch.dict(layer_bench.WIDTHS, {"T": (32, 2, 64)}):
+        yield
+
+
+def section_layers(mode: str) -> dict[str, float]:
+    from export.bench import run
+
+    out: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="softmoe-bench-") as tmp:
+        if mode == "smoke":
+            with _tiny_stacks():
+                out.update(run(1, [1, 8], 1, Path(tmp), "T"))
+            return out
+        # S/16 only: B/16 (python -m export.bench --layers 1 --width B) adds minutes of export.
+        out.update(run(3, [1, 8] if mode == "quick" else [1, 8, 32], 5 if mode == "quick" else 6, Path(tmp), "S"))
+    return out
+
+
+def _raw_worker(conn, spec: str, batch: int, size: int, settings: dict) -> None:
+    """RawBackend's child: the backend as `softmoe serve` builds it, timed on request."""
+    from server.registry import load_served_model
+    from server.settings import Settings
+
+    backend = load_served_model(spec, Settings(**settings), log=lambda m: None).backend
+    pixels = {"pixel_values": np.random.default_rng(0).uniform(-1, 1, (batch, 3, size, size)).astype(np.float32)}
+    backend.run("classify", pixels)
+    conn.send("ready")
+    while (seconds := conn.recv()) is not None:
+        t0, n = time.perf_counter(), 0
+        while time.perf_counter() - t0 < seconds or n == 0:
+            backend.run("classify", pixels)
+            n += batch
+        conn.send(n / (time.perf_counter() - t0))
+    backend.close()
+
+
+class RawBackend:
+    """The server's backend for ``spec`` called directly at a full batch, in a child process (its
+    memory, GBs for soft-s16-e128, goes back when it exits); ``window(s)`` gives images/s."""
+
+    def __init__(self, spec: str, batch: int, size: int, **settings) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_raw_worker, args=(child, spec, batch, size, settings), daemon=True)
+        self.proc.start()
+        child.close()
+        if self._recv(900) != "ready":
+            raise RuntimeError("the raw backend did not start")
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise RuntimeError(f"the raw backend did not answer in {timeout:.0f} s (exit status {self.proc.exitcode})")
+        return self.conn.recv()
+
+    def window(self, seconds: float) -> float:
+        self.conn.send(seconds)
+        return self._recv(seconds + 600)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(None)
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+def warm_cache(spec: str, **settings) -> None:
+    """Load the model once in a child process, as `softmoe serve` loads it, so the servers below
+    reuse the export cache: a server that exported soft-s16-e128 itself keeps ~16 GB (not ~8.5),
+    and two of those do not fit in this machine's 23 GB."""
+    code = ("import json, sys; from server.registry import load_served_model; from server.settings import Settings; "
+            "load_served_model(sys.argv[1], Settings(**json.loads(sys.argv[2])), log=print).backend.close()")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, spec, json.dumps(settings)], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL)
+    print(f"[{spec.split('=')[0]} loaded once in {time.perf_counter() - t0:.0f}s: the export cache is warm]", flush=True)
+
+
+def _proven(server: ServerProcess) -> str:
+    """The 'padded shapes proven' line a server started with --log-level info wrote."""
+    for line in server.tail(200).splitlines():
+        if "padded shapes proven" in line:
+            return line.split(": ", 2)[-1]
+    return "(not logged)"
+
+
+def section_serving(mode: str, workdir: Path) -> dict[str, float]:
+    """Four comparisons, each between two servers alive together (a third soft-s16-e128 server
+    does not fit in 23 GB beside the raw backend): strict vs max batch 1; end to end vs the raw
+    backend; strict vs loose at saturation and at concurrency 1; strict with full padding vs loose
+    at concurrency 1."""
+    from server.default_model import SHIPPED
+    from server.settings import Settings
+    from softmoe_models.package import read_package
+
+    if mode == "smoke":
+        name, pkg = "digits", SHIPPED / "digits"
+    else:
+        name, pkg = "soft-s16-e128", workdir / "soft-s16-e128"
+        subprocess.run([sys.executable, "-m", "softmoe_models.cli", "init", "soft-s16-e128", "--out", str(pkg)],
+                       check=True, stdout=subprocess.DEVNULL)
+    size = read_package(pkg).preprocess.image_size
+    n_images = pick(mode, 64, 64, 8)
+    small = [(jpeg_request("/v1/classify", jpeg(224, 224, i)), 1) for i in range(n_images)]
+    large = [(jpeg_request("/v1/classify", jpeg(640, 480, i)), 1) for i in range(n_images)]
+    # The Soft MoE layers stream their expert weights: per-image cost keeps falling past 8.
+    batch = pick(mode, 32, 32, 8)
+    window, rounds, conc = pick(mode, (8.0, 3, 64), (6.0, 2, 64), (0.3, 1, 16))  # 2x the batch: always a full one queued
+    c1_window, c1_rounds, c1_min = pick(mode, (5.0, 3, 3), (4.0, 2, 2), (0.3, 1, 1))
+    delay = pick(mode, "100", "100", "5")  # ~4% of a full soft-s16-e128 call: lets a batch refill
+    parallel = mode == "smoke"
+    common = ["--model", f"{name}={pkg}", "--max-delay-ms", delay]
+    full = [*common, "--max-batch-size", str(batch)]
+    servers: dict[str, ServerProcess] = {}
+
+    def sat(n: str, requests=small) -> Callable[[], float]:
+        return lambda: load([servers[n].port], requests, window, conc, label="serving").items_per_s
+
+    def c1(n: str) -> Callable[[], float]:
+        return lambda: load([servers[n].port], small, c1_window, 1, min_requests=c1_min, label="serving").ms(50)
+
+    def show(title: str, res: dict[str, list[float]], unit: str, digits: int = 2) -> dict[str, float]:
+        med = {k: median(v) for k, v in res.items()}
+        print(f"\n{title}, {unit}, median of windows:")
+        for k, v in res.items():
+            print(f"  {k:28} {med[k]:8.{digits}f}   windows {_windows(v, digits)}")
+        return med
+
+    settings = Settings(max_batch_size=batch)  # what the servers below resolve their defaults to
+    head = f"serving {name} ({size}x{size} input, {settings.backend} backend, max batch {batch}, max delay {delay} ms)"
+    if mode != "smoke":
+        warm_cache(f"{name}={pkg}", max_batch_size=batch)
+    try:
+        servers.update(serve_many({"dynamic_strict": [*full, "--log-level", "info"],  # info: its proven shapes are logged
+                                   "b1": [*common, "--max-batch-size", "1"]}, parallel))
+        med = show(f"{head}: dynamic batching vs max batch 1, strict determinism, 224x224 JPEGs, {conc} clients",
+                   interleave({"dynamic_strict": sat("dynamic_strict"), "b1": sat("b1")}, rounds), "img/s")
+        out: dict[str, float] = {
+            "batching_vs_b1": round(med["dynamic_strict"] / med["b1"], 3),
+            "img_per_s_dynamic": round(med["dynamic_strict"], 2),
+            "img_per_s_b1": round(med["b1"], 2),
+            "serving_max_batch": batch,
+        }
+        servers.pop("b1").stop()
+
+        raw = RawBackend(f"{name}={pkg}", batch, size, max_batch_size=batch)
+        try:
+            med = show(f"{head}: end to end (640x480 JPEGs, strict) vs the raw backend at batch {batch}",
+                       interleave({"raw_backend": lambda: raw.window(window), "e2e_classify_640x480_jpeg":
+                                   sat("dynamic_strict", large)}, rounds, seed=1), "img/s")
+        finally:
+            raw.close()
+        ratio = round(med["e2e_classify_640x480_jpeg"] / med["raw_backend"], 3)
+        out["e2e_vs_raw"] = out["e2e_over_raw"] = ratio
+        out["img_per_s_raw"] = round(med["raw_backend"], 2)
+        out["img_per_s_e2e_640x480"] = round(med["e2e_classify_640x480_jpeg"], 2)
+
+        servers.update(serve_many({"dynamic_loose": [*full, "--no-strict-determinism"]}, parallel))
+        res = interleave({"strict_saturation": sat("dynamic_strict"), "loose_saturation": sat("dynamic_loose"),
+                          "strict_c1_p50_ms": c1("dynamic_strict"), "loose_c1_p50_ms": c1("dynamic_loose")}, rounds, seed=2)
+        proven = _proven(servers["dynamic_strict"])
+        med = show(f"{head}: strict determinism vs loose; saturation ({conc} clients, img/s) and concurrency 1 "
+                   f"(one client, p50 ms); strict: {proven}", res, "img/s | ms")
+        out.update({
+            "strict_determinism_cost": round(1 - med["strict_saturation"] / med["loose_saturation"], 3),
+            "strict_saturation_ratio": round(med["strict_saturation"] / med["loose_saturation"], 3),
+            "img_per_s_loose": round(med["loose_saturation"], 2),
+            "strict_c1_p50_ratio": round(med["strict_c1_p50_ms"] / med["loose_c1_p50_ms"], 3),
+            "c1_p50_ms_strict": round(med["strict_c1_p50_ms"], 2),
+            "c1_p50_ms_loose": round(med["loose_c1_p50_ms"], 2),
+        })
+        servers.pop("dynamic_strict").stop()
+
+        servers.update(serve_many({"strict_fullpad": [*full, "--no-proven-shapes"]}, parallel))
+        med = show(f"{head}: strict with full padding (--no-proven-shapes) vs loose at concurrency 1",
+                   interleave({"strict_fullpad": c1("strict_fullpad"), "dynamic_loose": c1("dynamic_loose")}, c1_rounds,
+                              seed=3), "p50 ms", 1)
+        out["strict_fullpad_c1_p50_ratio"] = round(med["strict_fullpad"] / med["dynamic_loose"], 3)
+        out["c1_p50_ms_strict_fullpad"] = round(med["strict_fullpad"], 2)
+        return out
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def section_frontend(mode: str) -> dict[str, float]:
+    cores = len(os.sched_getaffinity(0))
+    n = max(2, cores)
+    ports = [free_port() for _ in range(n)]
+    servers = [Child([sys.executable, "-m", "loadtests.noop_server", "--port", str(p)], p) for p in ports]
+    try:
+        for s in servers:
+            wait_ready(s.url, 120, s)
+        photos = [jpeg(224, 224, i) for i in range(8)]
+        one = [(jpeg_request("/v1/classify", p), 1) for p in photos]
+        eight = [(json_request("/v1/classify", {"images": [b64(p) for p in photos]}), len(photos))]
+        window, rounds, conc = pick(mode, (5.0, 3, 32), (3.0, 2, 32), (0.3, 1, 8))
+        configs = {(k, kind): (ports[:k], [s.proc.pid for s in servers[:k]], reqs)
+                   for k in (1, n) for kind, reqs in (("1img", one), ("8img", eight))}
+        res = interleave({key: (lambda c=c: load(c[0], c[2], window, conc, pids=c[1], label="frontend"))
+                          for key, c in configs.items()}, rounds, seed=3)
+
+        def med(key, f) -> float:
+            return median([f(w) for w in res[key]])
+
+        def per_cpu(key, f) -> float:
+            return med(key, lambda w: f(w) * w.seconds / w.server_cpu if w.server_cpu else float("nan"))
+
+        print(f"\nfront end alone (loadtests/noop_server.py: `softmoe serve`'s app, a backend that returns zeros at "
+              f"once; 224x224 JPEGs; {conc} clients), median of windows. N processes = N independent servers, "
+              "one port each, the client's connections spread round-robin over them, each with its own no-op "
+              "engine; a front end of several processes feeding ONE engine through shared memory is not what "
+              f"this measures. The client shares the machine's {cores} CPUs.")
+        print(f"  {'processes':>9} {'request':>8} {'req/s':>8} {'img/s':>8} {'per server CPU-s':>17} "
+              f"{'server CPUs busy':>16} {'client CPUs busy':>16}")
+        for (k, kind) in configs:
+            busy = med((k, kind), lambda w: (w.server_cpu or float("nan")) / w.seconds)
+            client = med((k, kind), lambda w: w.client_cpu / w.seconds)
+            print(f"  {k:>9} {kind:>8} {med((k, kind), Load.rps.fget):8.1f} {med((k, kind), Load.items_per_s.fget):8.1f} "
+                  f"{per_cpu((k, kind), Load.items_per_s.fget):17.1f} {busy:16.2f} {client:16.2f}")
+        rps1, rpsn = med((1, "1img"), Load.rps.fget), med((n, "1img"), Load.rps.fget)
+        img1, imgn = med((1, "8img"), Load.items_per_s.fget), med((n, "8img"), Load.items_per_s.fget)
+        return {
+            "frontend_rps_1": round(rps1, 1),
+            "frontend_rps_n": round(rpsn, 1),
+            "frontend_processes": n,
+            "frontend_rps_per_core": round(per_cpu((1, "1img"), Load.rps.fget), 1),
+            "frontend_scaling": round(rpsn / (n * rps1), 3),
+            "frontend_img_per_s_1": round(img1, 1),
+            "frontend_img_per_s_n": round(imgn, 1),
+            "frontend_img_per_s_per_core": round(per_cpu((1, "8img"), Load.items_per_s.fget), 1),
+            "frontend_img_scaling": round(imgn / (n * img1), 3),
+        }
+    finally:
+        for s in servers:
+            s.stop()
+
+
+PEERS = {"litserve": ("litserve", "loadtests.peers.litserve_app"), "ray_serve": ("ray.serve", "loadtests.peers.ray_app")}
+
+
+def _importable(python: str, module: str) -> bool:
+    r = subprocess.run([python, "-c", f"import {module}"], cwd=ROOT, capture_output=True, timeout=120)
+    return r.returncode == 0
+
+
+def section_peers(mode: str, workdir: Path, python: str, model: str) -> dict[str, float | str]:
+    available = [name for name, (module, _) in PEERS.items() if _importable(python, module)]
+    skipped = sorted(set(PEERS) - set(available))
+    if skipped:
+        print(f"\npeers: {', '.join(skipped)} not importable by {python}: skipped "
+              "(pip install 'softmoe-serve[peers]', or --peers-python an interpreter that has them)")
+    if not available:
+        return {"peers": "none installed"}
+    from export.onnx import read_metadata
+    from server.backends.onnxruntime_backend import exported_files
+    from server.default_model import SHIPPED
+    from server.settings import Settings
+
+    if model == "digits":
+        pkg = SHIPPED / "digits"
+    else:
+        pkg = workdir / model
+        subprocess.run([sys.executable, "-m", "softmoe_models.cli", "init", model, "--out", str(pkg)], check=True,
+                       stdout=subprocess.DEVNULL)
+    t0 = time.perf_counter()
+    files = exported_files(pkg, "", "fp32", log=lambda m: None)  # the cache `softmoe serve` below reuses
+    onnx = next(f for f in files if read_metadata(f).get("graph") == "classifier")
+    print(f"\npeers: {model} exported to ONNX in {time.perf_counter() - t0:.1f}s (or reused from the cache): {onnx}")
+    defaults = Settings.model_fields
+    batch, delay = defaults["max_batch_size"].default, defaults["max_delay_ms"].default
+    threads = len(os.sched_getaffinity(0))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    peer_flags = ["--onnx", str(onnx), "--name", model, "--max-batch-size", str(batch), "--max-delay-ms", str(delay),
+                  "--threads", str(threads)]
+    photos = [jpeg(640, 480, i) for i in range(pick(mode, 32, 16, 4))]
+    requests = [(json_request("/v1/classify", {"images": [b64(p)]}), 1) for p in photos]
+    servers: dict[str, ServerProcess] = {}
+    try:
+        ours = ["--backend", "onnxruntime", "--model", f"{model}={pkg}", "--threads", str(threads)]
+        servers["ours"] = ServerProcess(shlex.join([*ours, "--log-level", "info"]),  # info: its proven shapes
+                                        Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
+        # Ours without strict determinism too: how much of a gap at concurrency 1 is its padding.
+        servers["ours_loose"] = ServerProcess(shlex.join([*ours, "--no-strict-determinism"]),
+                                              Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
+        for name in available:
+            port = free_port()
+            servers[name] = Child([python, "-m", PEERS[name][1], *peer_flags, "--port", str(port)], port, env)
+        for name in ("ours", "ours_loose"):
+            wait_ready(servers[name].url, 600, servers[name])
+        for name in available:
+            wait_answers(servers[name], requests[0][0], 300)
+        load([s.port for s in servers.values()], requests, pick(mode, 2.0, 1.0, 0.2), 2 * len(servers))  # warm all
+        window, rounds, conc = pick(mode, (5.0, 3, 32), (3.0, 2, 32), (0.3, 1, 8))
+        windows = {}
+        for name, s in servers.items():
+            windows[(name, "saturation")] = lambda s=s: load([s.port], requests, window, conc, label="peers")
+            windows[(name, "c1")] = lambda s=s: load([s.port], requests, window, 1, label="peers")
+        res = interleave(windows, rounds, seed=4)
+        tput = {name: median([w.rps for w in res[(name, "saturation")]]) for name in servers}
+        p50 = {name: median([w.ms(50) for w in res[(name, "c1")]]) for name in servers}
+        p99 = {name: median([w.ms(99) for w in res[(name, "c1")]]) for name in servers}
+        print(f"peers side by side: {model} ({onnx.name}), ONNX Runtime CPU, {threads} intra-op threads, max batch "
+              f"{batch}, max delay {delay:g} ms, 640x480 JPEGs as base64 JSON, the server's decode+preprocess; ours = "
+              f"`softmoe serve --backend onnxruntime` defaults (strict determinism; {_proven(servers['ours'])}), "
+              f"ours_loose = the same with --no-strict-determinism; {conc} clients at saturation; median of windows:")
+        print(f"  {'server':10} {'req/s sat.':>10} {'c1 p50 ms':>10} {'c1 p99 ms':>10} {'vs ours: tput':>14} "
+              f"{'p50':>6} {'p99':>6}")
+        out: dict[str, float | str] = {"peers": ",".join(available), "peers_model": model,
+                                       "peers_ours_rps": round(tput["ours"], 1), "peers_ours_c1_p50_ms": round(p50["ours"], 2),
+                                       "peers_ours_c1_p99_ms": round(p99["ours"], 2)}
+        for name in servers:
+            ratios = (tput[name] / tput["ours"], p50[name] / p50["ours"], p99[name] / p99["ours"])
+            print(f"  {name:10} {tput[name]:10.1f} {p50[name]:10.2f} {p99[name]:10.2f} {ratios[0]:14.2f} "
+                  f"{ratios[1]:6.2f} {ratios[2]:6.2f}")
+            if name != "ours":
+                prefix = "peers_ours_loose" if name == "ours_loose" else f"peer_{name}"
+                out[f"{prefix}_throughput_ratio"] = round(ratios[0], 3)
+                out[f"{prefix}_c1_p50_ratio"] = round(ratios[1], 3)
+                out[f"{prefix}_c1_p99_ratio"] = round(ratios[2], 3)
+        return out
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def section_gpu(mode: str) -> dict[str, float | str]:
     import torch
 
     if not torch.cuda.is_available():
         print("\ngpu: no CUDA device on this machine; GPU ratios not measured")
         return {"gpu": "not available"}
+    if mode == "smoke":
+        print("\ngpu: skipped in --smoke (run `make gpu-check` or the bench without --smoke)")
+        return {"gpu": "skipped (--smoke)"}
     from loadtests.gpu_bench import run as gpu_run  # pragma: no cover - GPU machines only
 
-    return gpu_run(quick=quick, budget_s=150.0 if quick else 300.0)
+    return gpu_run(quick=mode == "quick", budget_s=150.0 if mode == "quick" else 300.0)
 
 
 GOALS = {  # key: (comparison, target)
@@ -253,33 +708,50 @@ GOALS = {  # key: (comparison, target)
     "e2e_vs_raw": (">=", 0.85),
     "strict_determinism_cost": ("<=", 0.15),
 }
+SECTIONS = ("decode", "zeroshot", "serving", "frontend", "peers", "layers", "gpu")
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="softmoe-serve benchmarks (ratios measured side by side)")
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and sizes (a smoke run, not for README)")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: layers,serving,decode,zeroshot,gpu")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="fewer rounds and sizes (not for README figures)")
+    size.add_argument("--smoke", action="store_true", help="every section on tiny models for a moment: checks the "
+                      "bench runs and prints every key (CI); the figures mean nothing")
+    parser.add_argument("--skip", default="", help=f"comma list of sections to skip: {','.join(SECTIONS)}")
+    parser.add_argument("--peers-python", default=os.environ.get("SOFTMOE_PEERS_PYTHON", sys.executable),
+                        help="interpreter that runs the peer servers (needs litserve / ray[serve] besides this "
+                        "project; default: $SOFTMOE_PEERS_PYTHON, else this one)")
+    parser.add_argument("--peers-model", default="digits", help="model of the peers section: digits (the shipped "
+                        "package) or a variant to `softmoe init`, e.g. vit-s16")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if skip - set(SECTIONS):
+        parser.error(f"--skip: unknown section(s) {sorted(skip - set(SECTIONS))}; known: {','.join(SECTIONS)}")
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     from export.bench import machine
 
     t0 = time.perf_counter()
     print(f"machine: {machine()}")
-    results: dict[str, float | str] = {}
+    results: dict[str, float | str] = {"mode": mode}
     with tempfile.TemporaryDirectory(prefix="softmoe-bench-") as tmp:
-        if "decode" not in skip:
-            results.update(section_decode(args.quick))
-        if "zeroshot" not in skip:
-            results.update(section_zeroshot(args.quick))
-        if "layers" not in skip:
-            results.update(section_layers(args.quick))
-        if "serving" not in skip:
-            results.update(section_serving(args.quick, Path(tmp)))
-        if "gpu" not in skip:
-            results.update(section_gpu(args.quick))
-    print("\ngoals:")
+        sections = {  # layers after the servers: its stacks leave the process ~8 GB larger
+            "decode": lambda: section_decode(mode),
+            "zeroshot": lambda: section_zeroshot(mode),
+            "serving": lambda: section_serving(mode, Path(tmp)),
+            "frontend": lambda: section_frontend(mode),
+            "peers": lambda: section_peers(mode, Path(tmp), args.peers_python, args.peers_model),
+            "layers": lambda: section_layers(mode),
+            "gpu": lambda: section_gpu(mode),
+        }
+        for name, run in sections.items():
+            if name not in skip:
+                s0 = time.perf_counter()
+                results.update(run())
+                print(f"[{name}: {time.perf_counter() - s0:.1f}s]", flush=True)
+    print("\ngoals:" + (" not judged in --smoke (tiny models, windows of a moment)" if mode == "smoke" else ""))
     for key, (op, target) in GOALS.items():
-        if key in results:
+        if key in results and mode != "smoke":
             v = results[key]
             ok = v >= target if op == ">=" else v <= target
             print(f"  {key:28} {v:8.3f}  goal {op} {target}  {'met' if ok else 'MISSED'}")
@@ -287,7 +759,7 @@ def main(argv: list[str] | None = None) -> None:
     if ERRORS:
         print(f"  non-200 responses during measurement: {ERRORS}")
     results["seconds"] = round(time.perf_counter() - t0, 1)
-    results["command"] = "python -m loadtests.bench" + (" --quick" if args.quick else "") + (f" --skip {args.skip}" if skip else "")
+    results["command"] = " ".join(["python -m loadtests.bench", *map(shlex.quote, argv)])
     print(json.dumps(results))
 
 

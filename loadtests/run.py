@@ -119,6 +119,8 @@ class ServerProcess:
             return ""
 
     def stop(self) -> int | None:
+        """SIGTERM, wait (kill after 30 s), drop an empty log. Idempotent: a second call only
+        returns the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -128,8 +130,11 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self._log.close()
-        if self.log_path.stat().st_size == 0:  # --log-level warning: usually nothing to keep
-            self.log_path.unlink()
+        try:
+            if self.log_path.stat().st_size == 0:  # --log-level warning: usually nothing to keep
+                self.log_path.unlink()
+        except FileNotFoundError:  # stopped before: the empty log is gone already
+            pass
         return self.proc.returncode
 
 

@@ -1,0 +1,70 @@
+"""What both peer apps share with `softmoe serve`: the exported graph and its metadata, the
+server's own decode (``server.pipeline.decode``) and preprocess (``softmoe_models.preprocess``),
+an ONNX Runtime session built as the server builds it, and the same top-k response body.
+
+Requests are ``{"images": ["<base64>"]}`` with one image (what the bench sends to every server);
+responses ``{"model": NAME, "results": [{"predictions": [{"label", "index", "score"}, ...]}]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+from pathlib import Path
+
+import numpy as np
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The flags both apps take; the bench passes the values `softmoe serve` runs with."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--onnx", type=Path, required=True, help="the classifier graph exported by `softmoe export onnx`")
+    p.add_argument("--name", default="model", help="model name in responses")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-delay-ms", type=float, default=5.0)
+    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: the CPUs available)")
+    p.add_argument("--top-k", type=int, default=5)
+    return p
+
+
+class PeerModel:
+    """The exported classifier: JSON body -> pixels, a batch of pixels -> logits, logits -> result."""
+
+    def __init__(self, onnx_path: Path, threads: int = 0, top_k: int = 5) -> None:
+        from export.onnx import read_metadata
+        from export.runtime import ort_session
+        from softmoe_models.preprocess import PreprocessConfig
+
+        meta = read_metadata(onnx_path)
+        if meta.get("graph") != "classifier":
+            raise ValueError(f"{onnx_path}: not a classifier graph (graph={meta.get('graph')!r})")
+        self.preprocess = PreprocessConfig.from_dict(meta["preprocess"])
+        self.labels = meta.get("labels")
+        self.activation = (meta.get("package_config") or {}).get("head_activation") or "softmax"
+        self.session = ort_session(onnx_path, threads=threads or None, providers=["CPUExecutionProvider"])
+        self.top_k = top_k
+
+    def pixels(self, body: dict) -> np.ndarray:
+        """``(3, S, S)`` float32 from the request's one base64 image, decoded as the server decodes."""
+        from server.pipeline.decode import decode
+        from softmoe_models.preprocess import preprocess_image
+
+        data = base64.b64decode(body["images"][0])
+        return preprocess_image(decode(data, self.preprocess.image_size), self.preprocess)
+
+    def logits(self, batch: np.ndarray) -> np.ndarray:
+        return self.session.run(["logits"], {"pixel_values": np.ascontiguousarray(batch)})[0]
+
+    def result(self, logits: np.ndarray) -> dict:
+        """One image's top-k, scored as ``Service.classify`` scores it."""
+        z = logits.astype(np.float64)
+        if self.activation == "sigmoid":
+            scores = 1 / (1 + np.exp(-z))
+        else:
+            e = np.exp(z - z.max())
+            scores = e / e.sum()
+        idx = np.argsort(-scores, kind="stable")[: min(self.top_k, len(scores))]
+        labels = self.labels or [str(i) for i in range(len(scores))]
+        return {"predictions": [{"label": labels[i], "index": int(i), "score": float(scores[i])} for i in idx]}

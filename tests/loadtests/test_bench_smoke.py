@@ -1,0 +1,85 @@
+"""`make bench` cannot rot unseen: ``python -m loadtests.bench --smoke`` runs every section (tiny
+models, windows of a fraction of a second) and must exit 0 with one JSON object on its last line
+carrying every key the README and the issue quote, each a number. No timing is asserted: the
+figures of a smoke run mean nothing. About 50 s on 2 shared cores; longer when the peers
+(LitServe, Ray Serve) are importable, since they then run too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(600)
+
+KEYS = (
+    # decode, zeroshot, layers
+    "draft_decode_speedup", "zero_shot_cache_speedup", "fused_vs_reference_ort_b8",
+    # serving
+    "batching_vs_b1", "strict_determinism_cost", "strict_saturation_ratio", "strict_c1_p50_ratio",
+    "strict_fullpad_c1_p50_ratio", "e2e_vs_raw", "e2e_over_raw",
+    # frontend
+    "frontend_rps_1", "frontend_rps_per_core", "frontend_scaling", "frontend_img_per_s_1",
+    # the run
+    "errors", "seconds",
+)
+
+
+@pytest.fixture(scope="module")
+def smoke() -> tuple[subprocess.CompletedProcess, dict]:
+    r = subprocess.run([sys.executable, "-m", "loadtests.bench", "--smoke"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=540, env={**os.environ, "MPLBACKEND": "Agg"})
+    lines = r.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        result = None
+    return r, result
+
+
+def test_exits_zero_with_one_json_line(smoke):
+    r, result = smoke
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert isinstance(result, dict), f"last line is not a JSON object: {r.stdout.strip().splitlines()[-1:]}"
+    assert result["mode"] == "smoke"
+    assert result["command"] == "python -m loadtests.bench --smoke"
+
+
+def test_every_key_is_a_number(smoke):
+    _, result = smoke
+    assert result is not None, "no JSON line (see test_exits_zero_with_one_json_line)"
+    missing = [k for k in KEYS if k not in result]
+    assert not missing, f"keys missing from the final JSON: {missing}"
+    for k in KEYS:
+        v = result[k]
+        assert isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), f"{k} = {v!r}"
+
+
+def test_every_request_succeeded(smoke):
+    _, result = smoke
+    assert result["errors"] == 0
+
+
+def test_gpu_section_reports_without_crashing(smoke):
+    _, result = smoke
+    assert isinstance(result["gpu"], str)  # "not available" on CPU, "skipped (--smoke)" on a GPU machine
+
+
+def test_peers_report_every_ratio_or_are_skipped(smoke):
+    r, result = smoke
+    ran = [] if result["peers"] == "none installed" else result["peers"].split(",")
+    if not ran:
+        assert "skipped" in r.stdout
+    for name in ran:
+        for key in (f"peer_{name}_throughput_ratio", f"peer_{name}_c1_p50_ratio", f"peer_{name}_c1_p99_ratio"):
+            v = result.get(key)
+            assert isinstance(v, (int, float)) and math.isfinite(v), f"{key} = {v!r}"
+    strays = [k for k in result if k.startswith("peer_") and not any(k.startswith(f"peer_{n}_") for n in ran)]
+    assert not strays
