@@ -688,6 +688,19 @@ def section_peers(mode: str, workdir: Path, python: str, model: str) -> dict[str
             s.stop()
 
 
+def section_routing(mode: str) -> dict[str, float]:
+    """Serving with routing statistics on (sampled, the default) vs off, and on every call
+    (loadtests.routing_bench: separate servers, interleaved windows)."""
+    from loadtests import routing_bench
+
+    r = routing_bench.section(mode)
+    if r.get("errors"):
+        ERRORS["routing"] = ERRORS.get("routing", 0) + int(r["errors"])
+    return {"routing_stats_on_vs_off": r["ratio_default_vs_off"],
+            "routing_stats_on_vs_off_paired": r["paired_ratio_default_vs_off"],
+            "routing_stats_every_call_vs_off": r["ratio_every_call_vs_off"]}
+
+
 def section_gpu(mode: str) -> dict[str, float | str]:
     import torch
 
@@ -707,8 +720,9 @@ GOALS = {  # key: (comparison, target)
     "batching_vs_b1": (">=", 3.0),
     "e2e_vs_raw": (">=", 0.85),
     "strict_determinism_cost": ("<=", 0.15),
+    "routing_stats_on_vs_off": (">=", 0.98),
 }
-SECTIONS = ("decode", "zeroshot", "serving", "frontend", "peers", "layers", "gpu")
+SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "layers", "gpu")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -740,6 +754,7 @@ def main(argv: list[str] | None = None) -> None:
             "zeroshot": lambda: section_zeroshot(mode),
             "serving": lambda: section_serving(mode, Path(tmp)),
             "frontend": lambda: section_frontend(mode),
+            "routing": lambda: section_routing(mode),
             "peers": lambda: section_peers(mode, Path(tmp), args.peers_python, args.peers_model),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
