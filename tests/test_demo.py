@@ -43,6 +43,9 @@ def test_short_retrain_is_reproducible(tmp_path):
     assert meta["kind"] == "classifier" and 0.0 <= meta["eval"]["heldout_top1"] <= 1.0
     lit = json.loads((a[1] / "config.json").read_text())
     assert lit["kind"] == "two-tower" and lit["tokenizer"] == "tokenizer.model" and lit["zero_shot_templates"]
+    for pa, pb in zip(a, b):  # the drift reference profile is written, recorded and reproducible
+        assert json.loads((pa / "config.json").read_text())["routing_profile"]["file"] == "routing_profile.json"
+        assert (pa / "routing_profile.json").read_bytes() == (pb / "routing_profile.json").read_bytes()
 
 
 @pytest.mark.parametrize("name,key", [("digits", "heldout_top1"), ("digits-lit", "heldout_zero_shot_top1")])
