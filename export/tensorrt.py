@@ -257,13 +257,19 @@ def export_tensorrt(
     digests = cache.package_digests(package)
     root = Path(out_dir) if out_dir else cache.default_root() / "engines"
     roles = {"classifier": ["classifier"], "two-tower": ["image", "text"], "encoder": ["encoder"]}[pkg.kind]
+    from softmoe_models import routing
+
+    with_routing = routing.layout_for(pkg.config) is not None
+    if with_routing:  # the /v1/routing graph: its own engine, the plain ones unchanged
+        roles = [*roles, "routing"]
     keys = {role: EngineKey(
         weights_sha256=digests["model.safetensors"], graph=role, tensorrt_version=trt.__version__, gpu_name=gpu_name,
         compute_capability=capability, precision=precision, profile=(profile.min, profile.opt, profile.max),
         workspace_bytes=int(workspace_gib * 2**30), config_sha256=digests["config.json"]) for role in roles}
     # The graph at the engine's precision (strongly typed networks take their types from it),
     # batched experts (one matmul over the stacked experts: what wins on GPU).
-    onnx_settings = dict(opset=DEFAULT_OPSET, precision=precision, experts="batched", towers="split")
+    onnx_settings = dict(opset=DEFAULT_OPSET, precision=precision, experts="batched", towers="split",
+                         routing=with_routing)
     inputs = {
         "artifact": "tensorrt",
         "package": digests,

@@ -242,15 +242,18 @@ def test_engines_are_verified_in_a_temp_dir_then_published_and_reused(tiny_packa
     before = sorted(p.name for p in tiny_package.iterdir())
     lines: list[str] = []
     engines = export_tensorrt(tiny_package, tmp_path / "engines", log=lines.append)
-    (engine,) = engines
+    engine, routing_engine = engines  # a Soft MoE package also gets the /v1/routing graph's engine
     assert engine.name.startswith("classifier-fp16-") and engine.read_bytes() == b"ENGINE"
+    assert routing_engine.name.startswith("routing-fp16-")
     assert json.loads(engine.with_suffix(".json").read_text())["config_sha256"] == cache.file_sha256(tiny_package / "config.json")
-    (verified,) = stand_in["verify"]
-    assert verified.parent.name.startswith(".tmp-") and verified.name == engine.name  # checked before publishing
-    assert sorted(p.name for p in engine.parent.iterdir()) == sorted([engine.name, engine.with_suffix(".json").name, cache.MANIFEST])
+    verified = stand_in["verify"]
+    assert [v.name for v in verified] == [e.name for e in engines]
+    assert all(v.parent.name.startswith(".tmp-") for v in verified)  # checked before publishing
+    assert sorted(p.name for p in engine.parent.iterdir()) == sorted(
+        [n for e in engines for n in (e.name, e.with_suffix(".json").name)] + [cache.MANIFEST])
     assert cache.lookup(engine.parent.parent, engine.parent.name) is not None
     assert export_tensorrt(tiny_package, tmp_path / "engines", log=lines.append) == engines
-    assert len(stand_in["build"]) == 1 and any("reusing cached engine" in line for line in lines)
+    assert len(stand_in["build"]) == 2 and any("reusing cached engine" in line for line in lines)
     assert sorted(p.name for p in tiny_package.iterdir()) == before  # nothing written into the package
     assert read_timing_cache(tmp_path / "engines" / "timing-10.13.0-9.0.cache") == b"timing-v2"
 
@@ -264,8 +267,8 @@ def test_engine_failing_verification_is_never_published(tiny_package, stand_in, 
     assert stand_in["verify"] and not stand_in["verify"][0].exists()
     assert _entries(tmp_path / "engines") == []  # no entry, no temp dir
     stand_in["fail"] = False
-    (engine,) = export_tensorrt(tiny_package, tmp_path / "engines", log=lambda *_: None)
-    assert len(stand_in["build"]) == 2 and engine.read_bytes() == b"ENGINE"
+    engine, _ = export_tensorrt(tiny_package, tmp_path / "engines", log=lambda *_: None)
+    assert len(stand_in["build"]) == 3 and engine.read_bytes() == b"ENGINE"  # 1 failed + classifier + routing
 
 
 @pytest.mark.parametrize("corrupt", ["flip", "truncate", "no-manifest"])
@@ -273,7 +276,7 @@ def test_corrupt_cached_engine_is_rebuilt(tiny_package, stand_in, tmp_path, corr
     from export import cache
     from export.tensorrt import export_tensorrt
 
-    (engine,) = export_tensorrt(tiny_package, tmp_path / "engines", log=lambda *_: None)
+    engine, _ = export_tensorrt(tiny_package, tmp_path / "engines", log=lambda *_: None)
     if corrupt == "flip":
         engine.write_bytes(b"ENGINF")
     elif corrupt == "truncate":
@@ -281,9 +284,9 @@ def test_corrupt_cached_engine_is_rebuilt(tiny_package, stand_in, tmp_path, corr
     else:
         (engine.parent / cache.MANIFEST).unlink()
     lines: list[str] = []
-    (again,) = export_tensorrt(tiny_package, tmp_path / "engines", log=lines.append)
+    again, _ = export_tensorrt(tiny_package, tmp_path / "engines", log=lines.append)
     assert again == engine and again.read_bytes() == b"ENGINE"
-    assert len(stand_in["build"]) == 2 and len(stand_in["verify"]) == 2
+    assert len(stand_in["build"]) == 4 and len(stand_in["verify"]) == 4
     assert any("rebuilding" in line for line in lines)
     assert _entries(tmp_path / "engines") == [engine.parent.name]
 
@@ -292,7 +295,7 @@ def test_default_engine_cache_is_outside_the_package(tiny_package, stand_in, tmp
     from export.tensorrt import export_tensorrt
 
     monkeypatch.setenv("SOFTMOE_CACHE_DIR", str(tmp_path / "volume"))
-    (engine,) = export_tensorrt(tiny_package, log=lambda *_: None)
+    engine, _ = export_tensorrt(tiny_package, log=lambda *_: None)
     assert engine.parent.parent == tmp_path / "volume" / "engines"
     assert not (tiny_package / "engines").exists()
 
