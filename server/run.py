@@ -15,7 +15,7 @@ accepting, finishes the requests in flight (the batcher drains its queue), and t
 
 ``--frontend-workers N`` (N >= 2): this process binds the port and supervises one engine process
 (the models, the batcher) and N front-end processes serving the port (``_frontend_main``); see
-``server.batching.engine.Supervisor``. Start-up errors and signals behave as above.
+``server.batching.supervisor.Supervisor``. Start-up errors and signals behave as above.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def serve(settings: Settings) -> None:
     sock = bind_socket(settings.host, settings.port)
     try:
         if settings.frontend_workers >= 2:  # N front-end processes and one engine process
-            from .batching.engine import Supervisor
+            from .batching.supervisor import Supervisor
 
             Supervisor(settings, sock, _frontend_main).run()
         else:
