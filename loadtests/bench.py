@@ -310,6 +310,9 @@ def _windows(values: list[float], digits: int = 2) -> list[float]:
 
 
 def section_decode(mode: str) -> dict[str, float]:
+    """JPEG draft mode (opt-in per model, ``--jpeg-draft NAME``): its decode speed-up on 640x480
+    JPEGs to 224x224, and its accuracy cost on the digits model's held-out images served as
+    640x480 JPEGs (top-1 accuracy with and without it, agreement, largest pixel difference)."""
     from server.pipeline.decode import decode
     from softmoe_models.preprocess import PreprocessConfig, preprocess_image
 
@@ -319,14 +322,59 @@ def section_decode(mode: str) -> dict[str, float]:
     def rate(draft: bool) -> float:
         t0 = time.perf_counter()
         for data in images:
-            preprocess_image(decode(data, cfg.image_size if draft else None), cfg)
+            preprocess_image(decode(data, cfg.image_size, draft=draft), cfg)
         return len(images) / (time.perf_counter() - t0)
 
     res = interleave({"draft": lambda: rate(True), "full": lambda: rate(False)}, pick(mode, 11, 5, 1))
     med = {k: median(v) for k, v in res.items()}
     print(f"\ndecode+preprocess 640x480 JPEG -> 224x224, img/s (one thread): draft {med['draft']:.0f}, full {med['full']:.0f}")
+    cost = draft_accuracy_cost(pick(mode, None, None, 24))
+    print(f"draft mode on {cost['n']} held-out digits as 640x480 JPEGs: top-1 {cost['acc_draft']:.4f} (draft) vs "
+          f"{cost['acc_full']:.4f} (full decode), agreement {cost['agree']:.4f}, max |pixel diff| {cost['max_px']:.3f}")
     return {"draft_decode_speedup": round(med["draft"] / med["full"], 3),
-            "img_per_s_decode_draft": round(med["draft"], 1), "img_per_s_decode_full": round(med["full"], 1)}
+            "img_per_s_decode_draft": round(med["draft"], 1), "img_per_s_decode_full": round(med["full"], 1),
+            "draft_top1_full": round(cost["acc_full"], 4), "draft_top1_draft": round(cost["acc_draft"], 4),
+            "draft_top1_agreement": round(cost["agree"], 4), "draft_max_pixel_diff": round(cost["max_px"], 4)}
+
+
+def draft_accuracy_cost(limit: int | None = None) -> dict[str, float]:
+    """The built-in digits classifier on its held-out images (never trained on), each upscaled to
+    640x480 (bicubic) and stored as a quality-90 JPEG as a camera would: decoded in full and in draft
+    mode, preprocessed as the server does, classified by the same fp32 torch model."""
+    from PIL import Image
+
+    from server.backends.torch_backend import TorchBackend
+    from server.default_model import SHIPPED
+    from server.pipeline.decode import decode
+    from softmoe_models.demo.data import load_splits
+    from softmoe_models.package import read_package
+    from softmoe_models.preprocess import preprocess_image
+
+    digits = SHIPPED / "digits"
+    pkg = read_package(digits)
+    pre = pkg.preprocess
+    _, held = load_splits()
+    n = len(held.targets) if limit is None else min(limit, len(held.targets))
+    blobs = []
+    for png in held.pngs[:n]:
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(png)).convert("RGB").resize((640, 480), Image.Resampling.BICUBIC).save(buf, "JPEG", quality=90)
+        blobs.append(buf.getvalue())
+    full = np.stack([preprocess_image(decode(b, pre.image_size), pre) for b in blobs])
+    drafted = np.stack([preprocess_image(decode(b, pre.image_size, draft=True), pre) for b in blobs])
+    backend = TorchBackend(digits, device="cpu", precision="fp32", max_batch_size=64)
+    try:
+        def top1(x: np.ndarray) -> np.ndarray:
+            name = backend.functions["classify"].inputs[0].name
+            out = [backend.run("classify", {name: x[i:i + 64]})["logits"] for i in range(0, len(x), 64)]
+            return np.concatenate(out).argmax(-1)
+
+        a, b = top1(full), top1(drafted)
+    finally:
+        backend.close()
+    y = held.targets[:n]
+    return {"n": n, "acc_full": float((a == y).mean()), "acc_draft": float((b == y).mean()),
+            "agree": float((a == b).mean()), "max_px": float(np.abs(full - drafted).max())}
 
 
 def section_zeroshot(mode: str) -> dict[str, float]:

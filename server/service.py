@@ -181,7 +181,7 @@ class Service:
     # ------------------------------------------------------------------ stages
 
     def probe_images(self, blobs: list[bytes], target_size: int | None, param: str = "images",
-                     draft: bool = True) -> list[ImageInfo]:
+                     draft: bool = False) -> list[ImageInfo]:
         """Every image's size from its header, and the request's pixel budget: 413 before decoding."""
         infos = []
         for i, data in enumerate(blobs):

@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from softmoe_models.config import Precision
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SOFTMOE_", extra="forbid")
@@ -27,10 +29,16 @@ class Settings(BaseSettings):
         "end to end)",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="device the backend runs on")
-    precision: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+    precision: Literal["auto", Precision] = Field(  # the precisions of `softmoe export`, plus auto
         "auto",
         description="compute precision; auto: fp32 on cpu; on cuda bf16 (torch, GPUs with native bf16) or fp16 "
         "(older GPUs, onnxruntime, tensorrt); LayerNorm, softmax and the Soft MoE norm stay fp32",
+    )
+    jpeg_draft: list[str] = Field(
+        default_factory=list,
+        description="served model names whose large JPEGs are decoded in DCT-domain draft mode (faster; pixels "
+        "differ from a full decode, see the bench's decode section for the accuracy cost); '*': every model. "
+        "Off by default; a package may also opt in with preprocess.jpeg_draft=true in its config.json",
     )
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
@@ -118,7 +126,7 @@ class Settings(BaseSettings):
             self.backend = "onnxruntime" if cpu_ort else "torch"
         return self
 
-    @field_validator("models", mode="before")
+    @field_validator("models", "jpeg_draft", mode="before")
     @classmethod
     def _split(cls, value):
         if isinstance(value, str):

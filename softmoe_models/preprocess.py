@@ -26,10 +26,11 @@ class PreprocessConfig:
     layout: Literal["NCHW"] = "NCHW"
     channels: Literal["RGB"] = "RGB"
     crop: Literal["none", "center"] = "none"  # 'center': resize the short side, then crop
-    # JPEGs may be decoded at a reduced DCT scale (Pillow draft mode) before the resize when they are
-    # at least twice image_size: faster, but not the pixels of a full-size decode. False: always
-    # decode at full size, as transformers' image processors (and converted SigLIP packages) do.
-    jpeg_draft: bool = True
+    # Opt-in: JPEGs at least twice image_size may be decoded at a reduced DCT scale (Pillow draft
+    # mode) before the resize: 2-5x faster to decode, but not the pixels of the full-size decode the
+    # model was evaluated with (`python -m loadtests.bench --only decode` measures the accuracy cost).
+    # False (the default): always decode at full size, as timm, open_clip and transformers do.
+    jpeg_draft: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PreprocessConfig":

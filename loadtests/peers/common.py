@@ -52,7 +52,7 @@ class PeerModel:
         from softmoe_models.preprocess import preprocess_image
 
         data = base64.b64decode(body["images"][0])
-        return preprocess_image(decode(data, self.preprocess.image_size), self.preprocess)
+        return preprocess_image(decode(data, self.preprocess.image_size, draft=self.preprocess.jpeg_draft), self.preprocess)
 
     def logits(self, batch: np.ndarray) -> np.ndarray:
         return self.session.run(["logits"], {"pixel_values": np.ascontiguousarray(batch)})[0]

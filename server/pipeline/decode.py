@@ -55,7 +55,7 @@ def _check_deadline(deadline: float | None, when: str) -> None:
 
 
 def decode(data: bytes, target_size: int | None = None, max_pixels: int = 16_777_216, *,
-           deadline: float | None = None, draft: bool = True, info: ImageInfo | None = None) -> Image.Image:
+           deadline: float | None = None, draft: bool = False, info: ImageInfo | None = None) -> Image.Image:
     """Decode one image to RGB.
 
     Args:

@@ -89,7 +89,7 @@ def sniff(data: bytes) -> str:
     raise BadRequest(f"not a recognised image (expected one of {', '.join(ALLOWED)})")
 
 
-def probe(data: bytes, *, target_size: int | None = None, draft: bool = True) -> ImageInfo:
+def probe(data: bytes, *, target_size: int | None = None, draft: bool = False) -> ImageInfo:
     """Read an image's size and first-frame cost from its header bytes alone.
 
     Args:

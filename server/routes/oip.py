@@ -100,9 +100,12 @@ async def model_metadata(request: Request, model_name: str, version: str | None 
 def _batching(model) -> dict:
     """The batch shapes the model runs: strict mode's proven padded shapes per function."""
     queues = model.queues
-    return {"max_batch_size": max((q.max_batch_size for q in queues.values()), default=0),
-            "strict_determinism": any(q.pad for q in queues.values()),
-            "batch_shapes": {fn: list(q.shapes) for fn, q in queues.items() if q.pad}}
+    out = {"max_batch_size": max((q.max_batch_size for q in queues.values()), default=0),
+           "strict_determinism": any(q.pad for q in queues.values()),
+           "batch_shapes": {fn: list(q.shapes) for fn, q in queues.items() if q.pad}}
+    if model.preprocess is not None:
+        out["jpeg_draft"] = model.preprocess.jpeg_draft  # --jpeg-draft: faster JPEG decode, other pixels
+    return out
 
 
 @router.get("/v2/models/{model_name}/ready", response_model=ModelReadiness,

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.timeout(600)
 
 KEYS = (
     # decode, zeroshot, layers
-    "draft_decode_speedup", "zero_shot_cache_speedup", "fused_vs_reference_ort_b8",
+    "draft_decode_speedup", "draft_top1_agreement", "draft_top1_full", "draft_top1_draft", "zero_shot_cache_speedup",
+    "fused_vs_reference_ort_b8",
     # serving
     "batching_vs_b1", "strict_determinism_cost", "strict_saturation_ratio", "strict_c1_p50_ratio",
     "strict_fullpad_c1_p50_ratio", "e2e_vs_raw", "e2e_over_raw",

@@ -214,7 +214,7 @@ def test_the_png_bomb_is_what_the_users_reported(png_bomb):
 @pytest.mark.parametrize("progressive", [False, True])
 def test_jpeg_draft_cost_is_the_pixels_pillow_decodes(size, target, scale, progressive):
     data = _enc(_photo(*size), "JPEG", quality=85, progressive=progressive)
-    info = probe(data, target_size=target)
+    info = probe(data, target_size=target, draft=True)
     im = Image.open(io.BytesIO(data))
     if target:
         im.draft("RGB", (target, target))
@@ -228,12 +228,12 @@ def test_jpeg_draft_cost_is_the_pixels_pillow_decodes(size, target, scale, progr
 
 def test_decode_uses_the_draft_scale_the_probe_counted():
     data = _enc(_photo(1800, 1200), "JPEG")
-    assert decode(data, 224).size == (450, 300)
-    assert decode(data, 224, draft=False).size == (1800, 1200)
+    assert decode(data, 224, draft=True).size == (450, 300)
+    assert decode(data, 224).size == (1800, 1200)  # draft mode is opt-in
     # A draft JPEG over the limit at full size but under it at 1/4 scale is accepted, as its cost says.
-    assert decode(data, 224, max_pixels=1800 * 1200 // 16).size == (450, 300)
+    assert decode(data, 224, max_pixels=1800 * 1200 // 16, draft=True).size == (450, 300)
     with pytest.raises(PayloadTooLarge):
-        decode(data, 224, max_pixels=1800 * 1200 // 16, draft=False)
+        decode(data, 224, max_pixels=1800 * 1200 // 16)
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -428,7 +428,7 @@ def test_budget_names_the_image_or_the_request():
     assert e.value.param == "images"
     assert e.value.message == ("the request's images decode to 36000000 pixels; "
                                "the limit is 33554432 (max_request_pixels)")
-    draft = probe(_jpeg_with_size(NORMAL["jpeg"], 9000, 9000), target_size=224)
+    draft = probe(_jpeg_with_size(NORMAL["jpeg"], 9000, 9000), target_size=224, draft=True)
     assert (draft.scale, draft.cost_pixels) == (8, 1125 * 1125)
     assert budget([draft], LIMIT, REQUEST_LIMIT) == 1125 * 1125
     with pytest.raises(PayloadTooLarge, match=r"9000x9000, decoded at 1/8 scale to 1125x1125 = 1265625 pixels"):
@@ -438,11 +438,11 @@ def test_budget_names_the_image_or_the_request():
 def test_pillows_ceiling_refuses_first_so_its_warning_never_fires(no_decoding):
     # 12000x12000 is above Image.MAX_IMAGE_PIXELS (Pillow would warn), yet 1500x1500 at the 1/8 draft scale.
     data = _jpeg_with_size(NORMAL["jpeg"], 12000, 12000)
-    assert probe(data, target_size=224).cost_pixels == 1500 * 1500
+    assert probe(data, target_size=224, draft=True).cost_pixels == 1500 * 1500
     with pytest.raises(PayloadTooLarge, match="the decoder's limit is 89478485"):
-        decode(data, 224, LIMIT)
+        decode(data, 224, LIMIT, draft=True)
     with pytest.raises(PayloadTooLarge, match=r"images\[0\] is 12000x12000 = 144000000 pixels; the decoder's limit"):
-        budget([probe(data, target_size=224)], LIMIT, REQUEST_LIMIT)
+        budget([probe(data, target_size=224, draft=True)], LIMIT, REQUEST_LIMIT)
 
 
 def test_pillows_decompression_bomb_error_stays_a_413_backstop(monkeypatch):
@@ -462,10 +462,10 @@ def test_a_header_pillow_reads_differently_is_corrupt():
 def test_a_given_info_is_used_unless_it_was_taken_for_another_draft_size(monkeypatch):
     data = _enc(_photo(1800, 1200), "JPEG")
     full = probe(data)  # what service.py may pass: taken without a target size
-    assert decode(data, 224, info=full).size == (450, 300)
-    drafted = probe(data, target_size=224)
+    assert decode(data, 224, info=full, draft=True).size == (450, 300)
+    drafted = probe(data, target_size=224, draft=True)
     monkeypatch.setattr(decode_mod, "probe", lambda *a, **k: pytest.fail("probed again"))
-    assert decode(data, 224, info=drafted).size == (450, 300)
+    assert decode(data, 224, info=drafted, draft=True).size == (450, 300)
 
 
 # ---------------------------------------------------------------------------------------------- pixels
@@ -493,7 +493,7 @@ IDENTITY = {
 def test_chunked_decode_gives_plain_pillows_pixels(name, chunk, monkeypatch):
     data, target = IDENTITY[name]
     monkeypatch.setattr(decode_mod, "CHUNK_BYTES", chunk)
-    out = decode(data, target)
+    out = decode(data, target, draft=target is not None)
     assert out.mode == "RGB"
     assert np.array_equal(np.asarray(out), _plain(data, target))
 

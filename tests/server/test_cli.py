@@ -18,10 +18,10 @@ import pytest
 from server.cli import env_of, flag_of
 from server.default_model import SHIPPED
 from server.settings import Settings
-from softmoe_models.cli import build_parser
+from server.main import build_parser
 
 _SCRIPT = Path(sys.executable).with_name("softmoe")
-SOFTMOE = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "softmoe_models.cli"]
+SOFTMOE = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "server"]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -130,6 +130,35 @@ def test_bad_config_json(digits):
 def test_two_models_with_one_name(digits):
     line = one_error_line(softmoe("serve", "--model", f"a={digits}", "--model", f"a={SHIPPED / 'digits'}", "--port", "0"))
     assert "share the name a" in line
+
+
+def test_jpeg_draft_names_a_served_model(digits):
+    line = one_error_line(softmoe("serve", "--model", f"a={digits}", "--jpeg-draft", "b", "--port", "0",
+                                  "--backend", "torch"))
+    assert "--jpeg-draft b" in line and "served: a" in line
+
+
+def test_jpeg_draft_is_opt_in_per_model():
+    """Off unless asked for; ``--jpeg-draft NAME`` turns it on for that model only, ``*`` for all."""
+    from types import SimpleNamespace
+
+    from server.run import StartupError, apply_jpeg_draft
+    from softmoe_models.preprocess import PreprocessConfig
+
+    def models():
+        return [SimpleNamespace(name="a", preprocess=PreprocessConfig(8)), SimpleNamespace(name="b", preprocess=PreprocessConfig(8)),
+                SimpleNamespace(name="t", preprocess=None)]
+
+    ms = models()
+    apply_jpeg_draft(ms, [])
+    assert [m.preprocess.jpeg_draft for m in ms[:2]] == [False, False]
+    apply_jpeg_draft(ms, ["b"])
+    assert [m.preprocess.jpeg_draft for m in ms[:2]] == [False, True]
+    ms = models()
+    apply_jpeg_draft(ms, ["*"])
+    assert [m.preprocess.jpeg_draft for m in ms[:2]] == [True, True] and ms[2].preprocess is None
+    with pytest.raises(StartupError, match="takes no images"):
+        apply_jpeg_draft(models(), ["t"])
 
 
 def test_cuda_without_onnxruntime_gpu(tmp_path):
