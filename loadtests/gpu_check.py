@@ -14,8 +14,10 @@ automake-style harnesses). With one:
    gives bitwise-identical outputs (torch eager, torch CUDA graph, ONNX Runtime CUDA, and a random
    224x224 Soft MoE S/16 with 128 experts on torch); a second process computes the same bytes; CUDA
    graph replay equals eager; pinned staging equals pageable copies.
-4. ``pytest tests/gpu``.
-5. Timings (``loadtests.gpu_bench``): Soft MoE-B/16 vs ViT-B/16, random weights, at batch 8 and at
+4. GPU JPEG decode (``--decode-device cuda``, nvJPEG via torchvision; skipped without it) against
+   Pillow on the held-out digits as 640x480 JPEGs: top-1 agreement and max pixel difference.
+5. ``pytest tests/gpu``.
+6. Timings (``loadtests.gpu_bench``): Soft MoE-B/16 vs ViT-B/16, random weights, at batch 8 and at
    the largest batch that fits; eager vs CUDA graph, pinned vs pageable, side by side in one run.
 
 Exit status: 0 when every check that ran passed (timings never fail it), 1 otherwise, 77 without
@@ -399,6 +401,25 @@ def section_pytest(timeout: float, cache_dir: str, log) -> dict[str, Any]:
         return out
 
 
+def section_gpu_decode(log) -> dict[str, Any]:
+    """``--decode-device cuda`` (nvJPEG) against Pillow on the digits model's held-out images served
+    as 640x480 JPEGs: top-1 agreement, both accuracies, the largest preprocessed-pixel difference.
+    A measurement (the option is opt-in because the pixels differ), never a failure; a decoder that
+    cannot open is reported as skipped."""
+    from loadtests.bench import decode_accuracy_cost
+    from server.pipeline.gpu_decode import GpuDecodeUnavailable, open_decoder
+
+    try:
+        decoder = open_decoder()
+    except GpuDecodeUnavailable as e:
+        return {"skipped": str(e)}
+    cost = decode_accuracy_cost(lambda data, size: decoder.decode(data))
+    log(f"gpu-check: nvJPEG vs Pillow on {cost['n']} JPEGs: top-1 agreement {cost['agree']:.4f}, "
+        f"max |pixel diff| {cost['max_px']:.4f}")
+    return {"n": cost["n"], "top1_agreement": cost["agree"], "top1_pillow": cost["acc_full"],
+            "top1_nvjpeg": cost["acc_alt"], "max_pixel_diff": cost["max_px"]}
+
+
 def _failures(results: dict[str, Any]) -> list[str]:
     """Names of the failed checks (empty: everything that ran passed)."""
     failed = []
@@ -418,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="GPU tests, parity, determinism and timings; one JSON line")
     parser.add_argument("--wheels", type=Path, help="install every wheel in DIR first, offline (pip --no-index --find-links DIR)")
     parser.add_argument("--budget-s", type=float, default=540.0, help="wall-clock budget of the whole run")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: parity,determinism,tests,timings")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: parity,determinism,decode,tests,timings")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
 
@@ -448,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
             results["parity"] = section_parity(cache_dir, budget, log)
         if "determinism" not in skip:
             results["determinism"] = section_determinism(cache_dir, log)
+        if "decode" not in skip:
+            results["gpu_decode"] = section_gpu_decode(log)
         if "tests" not in skip:  # what is left, keeping ~200 s for the timings
             results["tests"] = section_pytest(max(60.0, min(300.0, budget.left() - 200)), cache_dir, log)
     if "timings" not in skip:

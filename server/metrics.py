@@ -63,6 +63,9 @@ class Metrics:
         self.images = Counter("softmoe_images_total", "Images (and texts) processed", ["model", "endpoint"], registry=r)
         self.model_ready = Gauge("softmoe_model_ready", "1 when the model is loaded and warmed up", ["model"], registry=r)
         self.batches = Counter("softmoe_batches_total", "Backend calls", ["model"], registry=r)
+        self.gpu_decode_fallbacks = Counter(
+            "softmoe_gpu_decode_fallbacks_total", "JPEGs nvJPEG refused (--decode-device cuda) and Pillow decoded",
+            registry=r)
         ProcessCollector(registry=r)  # process_* (RSS, CPU, start time, open fds)
         PlatformCollector(registry=r)  # python_info
         self.cache_hits = Counter(

@@ -136,6 +136,13 @@ def check_backend(settings: Settings) -> None:
             import_tensorrt()
         except Exception as e:  # MissingExtraError names the extra
             raise StartupError(f"--backend tensorrt: {describe(e)}") from None
+    if settings.decode_device == "cuda":
+        from server.pipeline.gpu_decode import GpuDecodeUnavailable, open_decoder
+
+        try:
+            open_decoder()
+        except GpuDecodeUnavailable as e:
+            raise StartupError(str(e)) from None
     if settings.backend == "tensorrt" or (settings.backend == "torch" and settings.device == "cuda"):
         import torch
 

@@ -145,6 +145,11 @@ class Service:
         self.settings, self.models, self.batcher, self.metrics = settings, models, batcher, metrics
         self.pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="softmoe-decode")
         self.label_cache = LabelCache(settings.label_cache_size)
+        self.gpu_jpeg = None  # --decode-device cuda: nvJPEG (server/pipeline/gpu_decode.py)
+        if settings.decode_device == "cuda":
+            from .pipeline.gpu_decode import open_decoder
+
+            self.gpu_jpeg = open_decoder()
 
     # ------------------------------------------------------------------ model lookup
 
@@ -212,7 +217,9 @@ class Service:
         def work(data: bytes, info: ImageInfo, i: int) -> tuple[np.ndarray, float, float]:
             t0 = time.perf_counter()
             try:
-                im = decode(data, cfg.image_size, max_pixels, deadline=deadline, info=info, draft=cfg.jpeg_draft)
+                im = decode(data, cfg.image_size, max_pixels, deadline=deadline, info=info, draft=cfg.jpeg_draft,
+                            jpeg_decoder=self.gpu_jpeg and self.gpu_jpeg.decode,
+                            on_fallback=self.metrics.gpu_decode_fallbacks.inc)
             except ServiceError as e:
                 e.param = e.param or f"{param}[{i}]"
                 raise

@@ -64,6 +64,12 @@ class Settings(BaseSettings):
     )
     threads: int = Field(0, ge=0, description="intra-op threads of the backend (0: the CPUs available)")
     decode_workers: int = Field(2, ge=1, description="threads decoding and preprocessing images")
+    decode_device: Literal["cpu", "cuda"] = Field(
+        "cpu",
+        description="where JPEGs are decoded; cuda: nvJPEG via torchvision (opt-in: its pixels differ from "
+        "Pillow's by a few levels, make gpu-check measures the top-1 agreement); needs a CUDA device and "
+        "torchvision, else start-up fails; other formats, and JPEGs nvJPEG refuses, decode with Pillow (counted)",
+    )
     request_timeout_s: float = Field(30.0, gt=0, description="deadline of a whole request: parsing, decoding and the queue (504 past it)")
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body (413 above)")
     max_images_per_request: int = Field(64, ge=1, description="images in one request (422 above)")

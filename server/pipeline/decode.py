@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import time
+from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
@@ -55,7 +56,9 @@ def _check_deadline(deadline: float | None, when: str) -> None:
 
 
 def decode(data: bytes, target_size: int | None = None, max_pixels: int = 16_777_216, *,
-           deadline: float | None = None, draft: bool = False, info: ImageInfo | None = None) -> Image.Image:
+           deadline: float | None = None, draft: bool = False, info: ImageInfo | None = None,
+           jpeg_decoder: Callable[[bytes], Image.Image] | None = None,
+           on_fallback: Callable[[], object] | None = None) -> Image.Image:
     """Decode one image to RGB.
 
     Args:
@@ -69,6 +72,9 @@ def decode(data: bytes, target_size: int | None = None, max_pixels: int = 16_777
         draft: whether JPEG draft mode may be used.
         info: the image's ``probe`` result, if the caller has it already; probed again when it was taken
             for another draft size.
+        jpeg_decoder: decodes a JPEG (not in draft mode) instead of Pillow, after every check above
+            (``--decode-device cuda``); a JPEG it raises on goes through Pillow, and ``on_fallback``
+            is called.
 
     Raises:
         BadRequest: corrupt or truncated data, or a header that disagrees with what Pillow reads (400).
@@ -85,6 +91,18 @@ def decode(data: bytes, target_size: int | None = None, max_pixels: int = 16_777
     if info.width < MIN_SIDE or info.height < MIN_SIDE:
         raise Unprocessable(f"image is {info.width}x{info.height}; it must be at least {MIN_SIDE}x{MIN_SIDE}")
     check_pixels(info, max_pixels)
+    if jpeg_decoder is not None and fmt == "JPEG" and not info.draft_size:
+        try:
+            im = jpeg_decoder(data)
+        except Exception:
+            if on_fallback is not None:
+                on_fallback()
+        else:
+            if im.size != (info.width, info.height) and im.size != (info.height, info.width):  # EXIF may rotate
+                raise BadRequest(f"JPEG image is corrupt (its header declares {info.width}x{info.height}, "
+                                 f"the decoder reads {im.size[0]}x{im.size[1]})")
+            _check_deadline(deadline, "while the image was decoding")
+            return im
     try:
         im = Image.open(_DeadlineFile(data, deadline), formats=[fmt])
         if im.size != (info.width, info.height):

@@ -161,6 +161,12 @@ def test_jpeg_draft_is_opt_in_per_model():
         apply_jpeg_draft(models(), ["t"])
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_gpu_jpeg_decode_without_cuda():
+    line = one_error_line(softmoe("serve", "--decode-device", "cuda", "--port", "0"))
+    assert "--decode-device cuda needs a CUDA device" in line
+
+
 def test_cuda_without_onnxruntime_gpu(tmp_path):
     try:
         import onnxruntime as ort
