@@ -25,13 +25,13 @@ from typing import Any, Literal
 
 import torch
 
+from softmoe_models.config import Precision
 from softmoe_models.package import Package, load_model, read_package
 from softmoe_models.soft_moe import configure_routing
 
 from .errors import ExportError
 from .graphs import Graph, graphs_for
 
-Precision = Literal["fp32", "fp16", "bf16"]
 ExpertsForm = Literal["per-expert", "batched"]
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SUPPORTED_OPSETS = range(18, 24)  # what the dynamo exporter and onnxscript's torchlib emit
@@ -169,6 +169,7 @@ def _export_one(graph: Graph, path: Path, opset: int, dynamic: bool, metadata: d
         except Exception as e:  # the exporter raises many types; report one line
             raise ExportError(f"torch.onnx export of the {graph.role} graph failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
     _fold_constant_gathers(program.model.graph)
+    _token_means_as_matmuls(program.model.graph)
     for key, value in metadata.items():
         program.model.metadata_props[key] = value
     program.model.graph.name = f"softmoe_{graph.role.replace('-', '_')}"
@@ -211,6 +212,56 @@ def _fold_constant_gathers(graph) -> int:
         for name, init in list(graph.initializers.items()):
             if not init.uses() and init not in graph.outputs:
                 del graph.initializers[name]
+    return count
+
+
+def _token_means_as_matmuls(graph) -> int:
+    """Replace each fp32 ``ReduceMean`` over the token axis of a ``(batch, T, D)`` tensor (the
+    ``gap`` pooling of the image and text towers) by ``MatMul`` with a constant ``(1, T)`` row of
+    ``1/T``, then ``Squeeze``.
+
+    Why: ONNX Runtime's CPU reduction merges the unit batch axis away, so at batch 1 it sums the
+    tokens in another order than at any larger batch, and a lone image's pooled features differed
+    in the last bit from the same image among batch-mates; strict determinism then could not run
+    a lone request at batch shape 1 (``server.registry.prove_shapes`` refused it). A MatMul whose
+    constant row is broadcast over the batch runs one identical GEMM per sequence whatever the
+    batch. The result differs from the mean by rounding only (within every export tolerance;
+    ``verify`` still checks it against PyTorch).
+    """
+    import numpy as np
+    import onnx_ir as ir
+
+    count = 0
+    for node in list(graph):
+        if node.op_type != "ReduceMean" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        x, axes = node.inputs
+        if x is None or axes is None or axes.const_value is None or x.dtype != ir.DataType.FLOAT:
+            continue
+        shape = x.shape
+        if shape is None or len(shape) != 3 or not isinstance(shape[1], int):
+            continue
+        if [int(a) % 3 for a in np.atleast_1d(axes.const_value.numpy())] != [1]:
+            continue
+        tokens, keepdims = shape[1], node.attributes.get_int("keepdims", 1)
+        row = ir.Value(name=f"{node.name}__mean_row", const_value=ir.tensor(np.full((1, tokens), 1.0 / tokens, np.float32)))
+        graph.register_initializer(row)
+        matmul = ir.Node("", "MatMul", [row, x], name=f"{node.name}__matmul")
+        new_nodes, result = [matmul], matmul.outputs[0]
+        if not keepdims:
+            axis = ir.Value(name=f"{node.name}__axis", const_value=ir.tensor(np.array([1], np.int64)))
+            graph.register_initializer(axis)
+            squeeze = ir.Node("", "Squeeze", [result, axis], name=f"{node.name}__squeeze")
+            new_nodes.append(squeeze)
+            result = squeeze.outputs[0]
+        graph.insert_before(node, new_nodes)
+        old = node.outputs[0]
+        result.shape, result.dtype = old.shape, old.dtype
+        name = old.name
+        ir.convenience.replace_all_uses_with(old, result, replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+        result.name = name
+        count += 1
     return count
 
 

@@ -242,7 +242,9 @@ def export_tensorrt(
         ExportError: no GPU, parse/build failure, failed verification (nothing is published).
     """
     trt = import_tensorrt()
-    if precision not in ("fp32", "fp16", "bf16"):
+    from softmoe_models.config import PRECISIONS
+
+    if precision not in PRECISIONS:
         raise ExportError(f"unknown precision {precision!r}: use fp32, fp16 or bf16")
     package = Path(package)
     if not package.is_dir():

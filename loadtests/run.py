@@ -105,7 +105,7 @@ class ServerProcess:
     def __init__(self, extra_args: str, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "softmoe_models.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
+        self.cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                     "--drain-seconds", "0", "--log-level", "warning", *shlex.split(extra_args)]
         self.log_path = log_path
         self._log = open(log_path, "wb")

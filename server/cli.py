@@ -118,7 +118,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SystemExit(130) from None
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """None: ``serve`` turns its own errors into the one ``error:`` line (``cmd_serve``)."""
+    return ()
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add ``serve`` to ``softmoe``: one flag per Settings field."""
     p = sub.add_parser(
         "serve", help="serve models over HTTP (see README for the endpoints)",
         description="Serve models over HTTP. Every flag is also a SOFTMOE_* environment variable; flags win.",

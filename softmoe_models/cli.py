@@ -1,4 +1,11 @@
-"""``softmoe``: the command line. Each subcommand lives next to the code it drives.
+"""The model layer's subcommands of ``softmoe``: models, convert, init, train-demo, eval.
+
+The ``softmoe`` command itself is composed at the top, in :mod:`server.main`: imports flow one way,
+server -> export -> softmoe_models (tests/test_layering.py), so only the top layer may know every
+layer's subcommands. Each layer's ``cli`` module offers the same two functions to it:
+``add_commands(subparsers)`` and ``user_errors()``. This module also holds what they share, the
+parser whose usage errors are one line and ``run``, and runs this layer's commands alone as
+``python -m softmoe_models.cli``.
 
 Errors a user can fix print one line ``error: ...`` and exit with status 2.
 """
@@ -6,16 +13,11 @@ Errors a user can fix print one line ``error: ...`` and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
-from typing import Callable
 
 from .config import TEXT_POOLS
-
-# Modules that add subcommands: each has ``add_commands(subparsers)``.
-COMMAND_MODULES = ("softmoe_models.cli", "export.cli", "server.cli")
 
 
 class CLIError(Exception):
@@ -27,6 +29,22 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"error: {message} (see `{self.prog} --help`)\n")
+
+
+def new_parser(prog: str, description: str) -> tuple[Parser, argparse._SubParsersAction]:
+    """A command with required subcommands, for the layers' ``add_commands`` to fill."""
+    parser = Parser(prog=prog, description=description)
+    return parser, parser.add_subparsers(dest="command", required=True)
+
+
+def run(parser: argparse.ArgumentParser, argv: list[str] | None, errors: tuple[type[BaseException], ...]) -> None:
+    """Parse ``argv`` and run the chosen subcommand; one of ``errors`` is one stderr line and exit 2."""
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except errors as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _parse_size(text: str) -> float:
@@ -146,11 +164,17 @@ def cmd_eval(args: argparse.Namespace) -> None:
         print(json.dumps(results))
 
 
+def _add_variant_shape(p: argparse.ArgumentParser, num_classes: int, num_classes_help: str | None = None) -> None:
+    """The head and input size a variant is instantiated with (``models`` and ``init``)."""
+    p.add_argument("--num-classes", type=int, default=num_classes, help=num_classes_help)
+    p.add_argument("--image-size", type=int, default=224)
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Add this layer's subcommands to ``softmoe`` (or to ``python -m softmoe_models.cli``)."""
     p = sub.add_parser("models", help="list the model variants (the paper's size table)")
     p.add_argument("--json", action="store_true", help="print a JSON list")
-    p.add_argument("--num-classes", type=int, default=29593, help="head size (default: the paper's 29,593-class JFT head)")
-    p.add_argument("--image-size", type=int, default=224)
+    _add_variant_shape(p, 29593, "head size (default: the paper's 29,593-class JFT head)")
     p.set_defaults(func=cmd_models)
 
     p = sub.add_parser("convert", help="convert a vmoe checkpoint (npz, legacy partitioned, orbax) or a Hugging Face "
@@ -173,8 +197,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("init", help="write a randomly initialised package of a variant")
     p.add_argument("variant", help="e.g. soft-s16-e128 (see `softmoe models`)")
     p.add_argument("--out", required=True)
-    p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--image-size", type=int, default=224)
+    _add_variant_shape(p, 1000)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_init)
 
@@ -191,43 +214,24 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_eval)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="softmoe", description="Soft MoE model conversion, export and serving")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if not (e.name and (name == e.name or name.startswith(e.name + "."))):
-                raise  # a real missing dependency inside the module
-            continue
-        adder: Callable | None = getattr(module, "add_commands", None)
-        if adder is not None:
-            adder(sub)
-    return parser
-
-
 def user_errors() -> tuple[type[BaseException], ...]:
+    """This layer's exceptions whose message is meant for the user (one line, exit status 2)."""
     from .convert.errors import ConversionError
     from .package import PackageError
 
-    errors: list[type[BaseException]] = [CLIError, ConversionError, PackageError]
-    try:
-        from export.errors import ExportError
+    return (CLIError, ConversionError, PackageError)
 
-        errors.append(ExportError)
-    except ImportError:
-        pass
-    return tuple(errors)
+
+def build_parser() -> Parser:
+    """This layer's commands alone; ``softmoe`` (:func:`server.main.build_parser`) has them all."""
+    parser, sub = new_parser("python -m softmoe_models.cli", "Soft MoE models: list, convert, init, demo, eval")
+    add_commands(sub)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """``python -m softmoe_models.cli``: the model layer's commands, without export or serve."""
+    run(build_parser(), argv, user_errors())
 
 
 if __name__ == "__main__":  # run through the package module so exception classes are shared

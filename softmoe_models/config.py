@@ -16,6 +16,10 @@ Classifier = Literal["gap", "token", "map"]
 # the max (global max) over positions, or a MAP head (the only one with parameters, txt/MapHead/*).
 TextPool = Literal["last", "first", "gap", "gmp", "map"]
 TEXT_POOLS: tuple[str, ...] = get_args(TextPool)
+# Compute precision of a model's matmuls (LayerNorm, softmax and the Soft MoE norm stay fp32). One
+# list for every layer that offers a choice: `softmoe export`'s --precision and `softmoe serve`'s.
+Precision = Literal["fp32", "fp16", "bf16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 
 @dataclass(frozen=True)

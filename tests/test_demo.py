@@ -13,7 +13,7 @@ from helpers.images import b64
 from server.app import create_app
 from server.default_model import SHIPPED
 from server.settings import Settings
-from softmoe_models.demo.data import WORDS, load_splits
+from softmoe_models.demo.data import PREPROCESS, WORDS, digit_png, load_splits, pixels_from_png
 from softmoe_models.demo.evaluate import evaluate
 from softmoe_models.demo.train import train_demo
 
@@ -28,6 +28,21 @@ def test_split_is_the_documented_one(splits):
     assert len(held.targets) == 360 and len(train.targets) == 1437
     assert (held.indices % 5 == 0).all() and not (train.indices % 5 == 0).any()
     assert held.pixels.shape == (360, 3, 8, 8) and held.pixels.min() == -1.0 and held.pixels.max() == 1.0
+
+
+def test_demo_decodes_every_digit_as_the_server_does():
+    """The demo decodes its PNGs with Pillow, not the server's ``decode`` (imports flow down only):
+    every digit must still give bitwise the pixels the served path gives."""
+    from sklearn.datasets import load_digits
+
+    from server.pipeline.decode import decode
+    from softmoe_models.preprocess import preprocess_image
+
+    for values in load_digits().data:
+        png = digit_png(values)
+        served = preprocess_image(decode(png, PREPROCESS.image_size), PREPROCESS)
+        demo = pixels_from_png(png)
+        assert demo.dtype == served.dtype and np.array_equal(demo, served)
 
 
 def test_short_retrain_is_reproducible(tmp_path):

@@ -72,7 +72,7 @@ def test_label_count_checked(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "softmoe_models.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True)
 
 
 def test_init_is_deterministic(tmp_path):

@@ -30,7 +30,8 @@ def cache_root(cache_dir: str) -> Path:
 
 # Bumped whenever the exported graph changes for the same inputs (e.g. LayerNorm held in fp32 under
 # fp16): the cache key covers the exporter's code, not only its version number.
-GRAPH_FORMAT = 2
+# 3: token means (gap pooling) as MatMuls, so batch shape 1 is provable (export/onnx.py).
+GRAPH_FORMAT = 3
 
 
 def exported_files(package: Path, cache_dir: str, precision: str, log=print, device: str = "cpu",

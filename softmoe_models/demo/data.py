@@ -1,8 +1,11 @@
 """The demo data: scikit-learn's bundled handwritten digits (1,797 real 8x8 images, 10 classes).
 
 Each digit (values 0..16) becomes an 8-bit grayscale PNG with ``pixel = round(v * 255 / 16)``;
-training and evaluation decode that PNG with the server's own decoder and preprocess it with the
-package's preprocessing contract, so what is evaluated is exactly what is served.
+training and evaluation decode that PNG to RGB as the server's decoder does (an 8-bit grayscale PNG
+with one frame and no EXIF: Pillow's decode, then L -> RGB) and preprocess it with the package's
+preprocessing contract, so what is evaluated is exactly what is served. The demo decodes with Pillow
+itself, not through the server (imports flow server -> export -> softmoe_models);
+tests/test_demo.py checks every digit is bitwise the same through the server's ``decode``.
 
 Held out, never trained on: samples whose index in ``load_digits()`` satisfies ``index % 5 == 0``,
 and the caption templates in ``HELDOUT_TEMPLATES`` (zero-shot on unseen wording).
@@ -47,11 +50,22 @@ def digit_png(values: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-def pixels_from_png(data: bytes, cfg: PreprocessConfig = PREPROCESS) -> np.ndarray:
-    """The served path: the server's decoder, then the package's preprocessing."""
-    from server.pipeline.decode import decode
+def decode_png(data: bytes) -> "PIL.Image.Image":  # noqa: F821
+    """PNG bytes of ``digit_png`` -> RGB image, the pixels the server's decoder gives for them.
 
-    return preprocess_image(decode(data, cfg.image_size), cfg)
+    Only for the demo's own PNGs: the server's decoder adds what untrusted input needs (format
+    allowlist, pixel limits, deadlines, EXIF orientation, every mode to RGB), none of which changes
+    an 8-bit grayscale PNG of one frame without EXIF.
+    """
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data), formats=["PNG"]) as im:
+        return im.convert("RGB")
+
+
+def pixels_from_png(data: bytes, cfg: PreprocessConfig = PREPROCESS) -> np.ndarray:
+    """The served path: the PNG decoded as the server decodes it, then the package's preprocessing."""
+    return preprocess_image(decode_png(data), cfg)
 
 
 @dataclass

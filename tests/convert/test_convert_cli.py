@@ -26,7 +26,7 @@ SOURCES = {
 
 
 def softmoe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "softmoe_models.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

@@ -418,7 +418,7 @@ def test_vision_model(tmp_path, prefixed):
 
 
 def softmoe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "softmoe_models.cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True)
 
 
 def _edit_json(path: Path, **changes) -> None:

@@ -69,7 +69,7 @@ def _ref_text(params: dict[str, np.ndarray], ids: np.ndarray, pool: str) -> np.n
 
 
 def softmoe(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "softmoe_models.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "server", *args], capture_output=True, text=True,
                           timeout=300)
 
 

@@ -514,7 +514,7 @@ def test_the_cpu_pod_for_real(tmp_path):
     env.update(env_of(docs))
     env.update(SOFTMOE_PORT=str(port), SOFTMOE_CACHE_DIR=str(tmp_path / "cache"), HOME=str(tmp_path / "home"))
     args = ["127.0.0.1" if a == "0.0.0.0" else a for a in c["args"]]
-    exe = [str(BIN / "softmoe")] if (BIN / "softmoe").exists() else [sys.executable, "-m", "softmoe_models.cli"]
+    exe = [str(BIN / "softmoe")] if (BIN / "softmoe").exists() else [sys.executable, "-m", "server"]
     log = tmp_path / "server.log"
     url = f"http://127.0.0.1:{port}"
     startup = c["startupProbe"]

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_soft_s16_e128_exports_with_external_data(tmp_path):
-    softmoe = [sys.executable, "-m", "softmoe_models.cli"]
+    softmoe = [sys.executable, "-m", "server"]
     r = subprocess.run([*softmoe, "init", "soft-s16-e128", "--out", str(tmp_path / "pkg")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([*softmoe, "export", "onnx", str(tmp_path / "pkg"), "--out", str(tmp_path / "out" / "s16.onnx")],

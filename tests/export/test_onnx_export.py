@@ -155,7 +155,7 @@ def test_static_batch(pkgs, tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "softmoe_models.cli", "export", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "server", "export", *args], capture_output=True, text=True)
 
 
 @pytest.mark.parametrize("args,message", [

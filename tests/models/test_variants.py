@@ -25,7 +25,7 @@ PAPER = {
 @pytest.fixture(scope="module")
 def table() -> dict[str, dict]:
     out = subprocess.run(
-        [sys.executable, "-m", "softmoe_models.cli", "models", "--json", "--num-classes", "29593"],
+        [sys.executable, "-m", "server", "models", "--json", "--num-classes", "29593"],
         check=True, capture_output=True, text=True,
     ).stdout
     rows = json.loads(out)
@@ -52,7 +52,7 @@ def test_every_variant_listed(table):
 
 def test_head_size_changes_count(table):
     out = subprocess.run(
-        [sys.executable, "-m", "softmoe_models.cli", "models", "--json", "--num-classes", "1000"],
+        [sys.executable, "-m", "server", "models", "--json", "--num-classes", "1000"],
         check=True, capture_output=True, text=True,
     ).stdout
     small = {r["name"]: r["params"] for r in json.loads(out)}

@@ -45,7 +45,7 @@ class Server:
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "softmoe_models.cli", "serve", "--port", str(self.port), "--backend", "torch",
+            [sys.executable, "-m", "server", "serve", "--port", str(self.port), "--backend", "torch",
              "--cache-dir", str(workdir / "cache"), "--drain-seconds", "1", *flags],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
@@ -91,7 +91,7 @@ def servers(tmp_path_factory):
     }
     # A start-up failure, checked by test_startup_error_is_one_line (started now: it overlaps the others).
     started_bad = subprocess.Popen(
-        [sys.executable, "-m", "softmoe_models.cli", "serve", "--port", str(free_port()), "--frontend-workers", "2",
+        [sys.executable, "-m", "server", "serve", "--port", str(free_port()), "--frontend-workers", "2",
          "--model", str(workdir / "missing")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         for s in started.values():

@@ -21,7 +21,7 @@ def test_sigterm_drains_without_losing_requests(packages, tmp_path):
     port = free_port()
     env = {**os.environ, "SOFTMOE_MAX_DELAY_MS": "3000"}  # env vars are settings too
     proc = subprocess.Popen(
-        [sys.executable, "-m", "softmoe_models.cli", "serve", "--model", f"golden={packages['golden']}",
+        [sys.executable, "-m", "server", "serve", "--model", f"golden={packages['golden']}",
          "--port", str(port), "--max-batch-size", "32", "--drain-seconds", "1.5", "--cache-dir", str(tmp_path)],
         env=env, stdout=open(tmp_path / "server.log", "w"), stderr=subprocess.STDOUT, text=True,
     )

@@ -40,7 +40,7 @@ def siglip(tmp_path_factory, spiece):
     """A SigLIP directory, its package (converted with `softmoe convert`), transformers' reference outputs."""
     root = tmp_path_factory.mktemp("siglip-served")
     src = build_siglip(root / "hf", spiece, SHAPE, seed=11)
-    r = subprocess.run([sys.executable, "-m", "softmoe_models.cli", "convert", str(src), "--out", str(root / "pkg")],
+    r = subprocess.run([sys.executable, "-m", "server", "convert", str(src), "--out", str(root / "pkg")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     files = image_files(seed=4)
