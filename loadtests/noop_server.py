@@ -68,8 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--num-classes", type=int, default=1000)
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-delay-ms", type=float, default=5.0)
+    defaults = Settings.model_fields  # the serve defaults, not a copy of them
+    p.add_argument("--max-batch-size", type=int, default=defaults["max_batch_size"].default)
+    p.add_argument("--max-delay-ms", type=float, default=defaults["max_delay_ms"].default)
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     settings = Settings(host=args.host, port=args.port, max_batch_size=args.max_batch_size,

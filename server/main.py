@@ -11,6 +11,8 @@ Errors a user can fix print one line ``error: ...`` and exit with status 2.
 
 from __future__ import annotations
 
+import sys
+
 from export import cli as export_cli
 from softmoe_models import cli as models_cli
 
@@ -30,11 +32,44 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return tuple(error for layer in LAYERS for error in layer.user_errors())
 
 
+def usage() -> str:
+    """The usage line of every subcommand except ``serve`` (whose flags are Settings' fields: see
+    ``softmoe serve --help``), as argparse prints it. docs/cli.md quotes this text, and
+    tests/test_cli_docs.py checks that it still does, so the flags are declared in one place."""
+    import argparse
+
+    lines = []
+
+    def walk(parser: argparse.ArgumentParser) -> None:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            lines.append(parser.format_usage().removeprefix("usage: ").rstrip())
+            return
+        for name, child in subs[0].choices.items():
+            if child.prog.split()[1:2] != ["serve"]:
+                walk(child)
+
+    import os
+
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal's width: fix it
+    try:
+        walk(build_parser())
+    finally:
+        if saved is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = saved
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     models_cli.run(build_parser(), argv, user_errors())
 
 
-if __name__ == "__main__":  # run through the package module, as `python -m server` does
+if __name__ == "__main__" and sys.argv[1:] == ["--usage"]:  # regenerates docs/cli.md's usage block
+    print(usage())
+elif __name__ == "__main__":  # run through the package module, as `python -m server` does
     from server.main import main as _main
 
     _main()

@@ -22,8 +22,8 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--name", default="model", help="model name in responses")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--max-delay-ms", type=float, default=5.0)
+    p.add_argument("--max-batch-size", type=int, required=True, help="as `softmoe serve` runs (the bench passes it)")
+    p.add_argument("--max-delay-ms", type=float, required=True, help="as `softmoe serve` runs (the bench passes it)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: the CPUs available)")
     p.add_argument("--top-k", type=int, default=5)
     return p
