@@ -28,7 +28,7 @@ class PreprocessConfig:
     crop: Literal["none", "center"] = "none"  # 'center': resize the short side, then crop
     # Opt-in: JPEGs at least twice image_size may be decoded at a reduced DCT scale (Pillow draft
     # mode) before the resize: 2-5x faster to decode, but not the pixels of the full-size decode the
-    # model was evaluated with (`python -m loadtests.bench --only decode` measures the accuracy cost).
+    # model was evaluated with (the `decode` section of `make bench` measures the accuracy cost).
     # False (the default): always decode at full size, as timm, open_clip and transformers do.
     jpeg_draft: bool = False
 
