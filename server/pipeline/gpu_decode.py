@@ -40,14 +40,36 @@ class CudaJpegDecoder:
         self._lock = threading.Lock()
 
     def decode(self, data: bytes) -> Image.Image:
-        """RGB, EXIF orientation applied (as the Pillow path does)."""
+        """RGB, EXIF orientation applied as the Pillow path applies it (``ImageOps.exif_transpose``).
+
+        torchvision's CUDA path takes no ``apply_exif_orientation`` (only its CPU decoder does), so
+        the orientation is read from the header here (Pillow parses the markers, decodes nothing)
+        and applied to the decoded image."""
         torch = self._torch
+        orientation = exif_orientation(data)
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         with self._lock:
-            chw = self._io.decode_jpeg(raw, mode=self._io.ImageReadMode.RGB, device=self.device,
-                                       apply_exif_orientation=True)
+            chw = self._io.decode_jpeg(raw, mode=self._io.ImageReadMode.RGB, device=self.device)
             hwc = chw.permute(1, 2, 0).contiguous().cpu().numpy()
-        return Image.fromarray(np.ascontiguousarray(hwc, dtype=np.uint8), "RGB")
+        im = Image.fromarray(np.ascontiguousarray(hwc, dtype=np.uint8), "RGB")
+        method = TRANSPOSE.get(orientation)
+        return im.transpose(method) if method is not None else im
+
+
+# EXIF orientation -> the transpose that displays it upright (the table ImageOps.exif_transpose uses).
+TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def exif_orientation(data: bytes) -> int:
+    """The EXIF orientation tag of a JPEG (1, upright, when absent or unreadable)."""
+    try:
+        return int(Image.open(io.BytesIO(data), formats=["JPEG"]).getexif().get(0x0112, 1))
+    except Exception:  # a header Pillow cannot read: the decoder will say what is wrong
+        return 1
 
 
 def open_decoder(device: str = "cuda") -> CudaJpegDecoder:

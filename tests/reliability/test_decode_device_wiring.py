@@ -105,3 +105,31 @@ def test_without_cuda_the_decoder_refuses_in_one_line():
         open_decoder()
     assert "\n" not in str(e.value)
 
+
+
+class FakeNvjpeg:
+    """torchvision.io's CUDA ``decode_jpeg`` as it behaves: RGB CHW uint8, EXIF orientation not
+    applied (its CUDA path has no such option). Pixels from Pillow, so the wrapper's own work
+    (orientation, layout, the host copy) is what is checked."""
+
+    class ImageReadMode:
+        RGB = "RGB"
+
+    @staticmethod
+    def decode_jpeg(raw, mode, device):
+        assert mode == "RGB" and device == "cuda"
+        im = Image.open(io.BytesIO(raw.numpy().tobytes())).convert("RGB")  # no exif_transpose
+        return torch.from_numpy(np.asarray(im).copy()).permute(2, 0, 1)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_the_gpu_decoder_applies_exif_orientation_as_pillow(orientation):
+    from server.pipeline.gpu_decode import CudaJpegDecoder
+
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buf = io.BytesIO()
+    _photo(64, 32).save(buf, "JPEG", quality=95, exif=exif.tobytes())
+    data = buf.getvalue()
+    got = CudaJpegDecoder(torch, FakeNvjpeg, "cuda").decode(data)
+    assert np.array_equal(np.asarray(got), np.asarray(decode(data)))
