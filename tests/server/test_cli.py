@@ -219,3 +219,28 @@ def test_lifespan_failure_is_a_startup_error():
     finally:
         sock.close()
     assert not server.started
+
+
+def test_serves_on_uvloop_and_httptools_without_access_log(tmp_path):
+    """uvloop and httptools are what uvicorn picks (locked dependencies); the start line says so,
+    and no per-request access line is logged (the server's own metrics and request ids stand in)."""
+    import httpx
+
+    from helpers.live import free_port, wait_until
+
+    port = free_port()
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen([*SOFTMOE, "serve", "--port", str(port), "--log-level", "info"], env=_clean_env(),
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(f"{url}/v2/health/ready", 180, lambda: proc.poll() is None)
+        png = (Path(__file__).resolve().parents[2] / "docs" / "examples" / "seven.png").read_bytes()
+        r = httpx.post(f"{url}/v1/classify", content=png, headers={"content-type": "image/png"}, timeout=30)
+        assert r.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    text = log.read_text()
+    assert "(event loop uvloop.Loop, http httptools)" in text, text[-2000:]
+    assert "/v1/classify HTTP/1.1" not in text, text[-2000:]
