@@ -266,7 +266,7 @@ def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metr
         model.queues[fn] = batcher.add_queue(ModelQueue(
             f"{model.name}/{fn}", model.name, call, max_batch_size=settings.max_batch_size,
             max_delay_s=settings.max_delay_ms / 1000, max_queue=settings.max_queue,
-            pad=settings.strict_determinism, metrics=metrics,
+            pad=settings.strict_determinism, metrics=metrics, eager=settings.eager_batching,
         ))
     if model.routing is not None:
         _attach_routing(model, batcher, settings, metrics)
@@ -282,6 +282,7 @@ def _attach_routing(model: ServedModel, batcher: Batcher, settings: Settings, me
         f"{model.name}/{ROUTING}", model.name, lambda rows, backend=model.backend: backend.run(ROUTING, rows),
         max_batch_size=settings.max_batch_size, max_delay_s=settings.max_delay_ms / 1000,
         max_queue=settings.max_queue, pad=settings.strict_determinism, metrics=metrics,
+        eager=settings.eager_batching,
     ))
     # Its places are for inspecting routing, not serving capacity: the gauge keeps the serving queues' sum.
     metrics.queue_capacity.labels(model.name).set(sum(q.max_queue for q in queue.siblings if q is not queue))

@@ -44,6 +44,12 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535, description="bind port")
     max_batch_size: int = Field(8, ge=1, le=1024, description="images (or texts) per backend call")
     max_delay_ms: float = Field(5.0, ge=0, le=10_000, description="how long a batch waits to fill")
+    eager_batching: bool = Field(
+        True,
+        description="an idle worker runs what is queued at once when no admitted request is still decoding "
+        "for that model function (nothing known to be coming), so a lone request pays no --max-delay-ms; "
+        "off: every batch waits up to --max-delay-ms to fill",
+    )
     max_queue: int = Field(256, ge=1, description="queued items per model before requests get 429")
     max_in_flight: int = Field(128, ge=1, description="concurrent HTTP requests before new ones get 429 at the door")
     max_in_flight_bytes: int = Field(

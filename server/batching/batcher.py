@@ -15,6 +15,10 @@ a call runs at the smallest proven shape that holds its items, so a lone request
 does not pay for a full padded batch. Without it, calls have as many rows as items. Since a padded call
 costs a full batch, strict queues open their ``max_delay`` window when the worker becomes free
 (not when the oldest item arrived), so clients answered by one call can fill the next.
+Eager queues (``--eager-batching``, the server's default) wait only while more items are known to
+be on their way: when no admitted request is still decoding for the queue, an idle worker runs
+what is queued at once, so a lone request pays no ``max_delay`` (TEI and vLLM never wait idle);
+a burst of requests admitted together still shares one call.
 
 Failure classes (``server.backends.failures``): a transient failure (out of memory) fails its
 batch with 503 + Retry-After and is not retried; a deterministic failure is bisected at the same
@@ -75,16 +79,24 @@ class ModelQueue:
 
     def __init__(
         self, name: str, label: str, fn: Callable[[Rows], Rows], *, max_batch_size: int,
-        max_delay_s: float, max_queue: int, pad: bool, metrics: Metrics | None = None,
+        max_delay_s: float, max_queue: int, pad: bool, metrics: Metrics | None = None, eager: bool = False,
     ) -> None:
         self.name, self.label, self.fn = name, label, fn
         self.max_batch_size, self.max_delay_s, self.max_queue, self.pad = max_batch_size, max_delay_s, max_queue, pad
+        # Eager (--eager-batching): an idle worker does not wait for more items when none is known
+        # to be coming (``coming()`` is 0: no admitted request is still decoding for this queue).
+        self.eager = eager
         self.metrics = metrics
         self.items: deque[Item] = deque()
         # Strict mode: the padded batch shapes this queue may run, ascending, each proven at start-up
         # to give per-row outputs bitwise equal to the maximal shape (registry.prove_shapes).
         self.shapes: tuple[int, ...] = (max_batch_size,)
         self.reserved = 0  # places taken by admitted requests still decoding (see Batcher.reserve)
+
+    def coming(self) -> int:
+        """Items admitted requests will still submit to this queue (the engine process replaces
+        this with its front ends' reservations and items in transit)."""
+        return self.reserved
 
     def shape_for(self, n: int) -> int:
         """Rows of the backend call that carries ``n`` items: the smallest proven shape that holds
@@ -165,6 +177,7 @@ class Batcher:
         if n > 0:
             with self._cond:
                 queue.reserved = max(0, queue.reserved - n)
+                self._cond.notify()  # an eager queue may have waited for these items
 
     def submit(self, queue: ModelQueue, row: Rows, timeout_s: float, *, deadline: float | None = None,
                reserved: bool = False, tag: str = "-") -> asyncio.Future:
@@ -217,7 +230,8 @@ class Batcher:
                     opened = max(opened, self._free_at)
                 ready_at = opened + queue.max_delay_s
                 now = time.perf_counter()
-                if len(queue.items) < queue.max_batch_size and now < ready_at and not self._stopping:
+                full = len(queue.items) >= queue.max_batch_size
+                if not full and now < ready_at and not self._stopping and not (queue.eager and queue.coming() == 0):
                     self._cond.wait(ready_at - now)
                     continue
                 batch = [queue.items.popleft() for _ in range(min(queue.max_batch_size, len(queue.items)))]

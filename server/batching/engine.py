@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import itertools
 import logging
@@ -170,6 +171,12 @@ class AdmissionTable:
 
     def taken(self, q: int) -> int:
         return int(self.queued[q] + self.reserved[q].sum() + self.sent[q].sum())
+
+    def coming(self, q: int) -> int:
+        """Items of queue ``q`` the front ends reserved or sent that the engine has not queued yet."""
+        if self.reserved is None:  # closed
+            return 0
+        return int(self.reserved[q].sum() + self.sent[q].sum())
 
     @contextlib.contextmanager
     def hold(self):
@@ -334,6 +341,7 @@ class Engine:
         self.table = AdmissionTable.create(lock, len(self.queues), frontends, f"{prefix}_t" if prefix else None)
         for i, q in enumerate(self.queues):
             q._gauge = _Publish(q, self.table, i)  # the queue's length, into the table at every change
+            q.coming = functools.partial(self.table.coming, i)  # what the front ends will still send
         self.links: dict[int, EngineLink] = {}
         self.dead_sent: str | None = None
         self.orphaned = False

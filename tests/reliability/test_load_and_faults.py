@@ -126,7 +126,7 @@ def test_deadline_expiring_in_the_queue_never_reaches_the_model():
 
 
 def test_disconnected_client_is_dropped_before_compute():
-    app = create_app(Settings(max_batch_size=32, max_delay_ms=1500))
+    app = create_app(Settings(max_batch_size=32, max_delay_ms=1500, eager_batching=False))  # it waits the window out
     with live_server(app) as url:
         calls: list = []
         _slow(app, "digits", "classify", 0.0, calls)

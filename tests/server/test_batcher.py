@@ -66,14 +66,14 @@ def make():
     """Build a batcher (+ queues); every batcher built is released and stopped at teardown."""
     made: list[tuple[Batcher, list[threading.Event]]] = []
 
-    def build(*fns, max_batch_size=4, max_delay_s=0.01, max_queue=64, pad=False, metrics=None, labels=None):
+    def build(*fns, max_batch_size=4, max_delay_s=0.01, max_queue=64, pad=False, metrics=None, labels=None, eager=False):
         b = Batcher("cpu", metrics)
         queues = []
         for i, fn in enumerate(fns):
             label = labels[i] if labels else f"m{i}"
             queues.append(b.add_queue(ModelQueue(
                 f"{label}/fn", label, fn, max_batch_size=max_batch_size, max_delay_s=max_delay_s,
-                max_queue=max_queue, pad=pad, metrics=metrics,
+                max_queue=max_queue, pad=pad, metrics=metrics, eager=eager,
             )))
         made.append((b, [f.gate for f in fns if getattr(f, "gate", None) is not None]))
         return (b, *queues)
@@ -627,3 +627,73 @@ def test_backend_returning_too_few_rows_fails_its_items_and_keeps_the_worker():
     assert all(not isinstance(o, BaseException) for o in outcomes)
     assert np.array_equal(later.outputs["y"], np.full(3, 2.0, np.float32))
     assert dead is None
+
+
+# ---------------------------------------------------------------- eager batching (--eager-batching)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_eager_lone_item_runs_at_once(make, pad):
+    """Nothing else admitted: an idle worker does not sit out a 60 s max_delay."""
+    fn = FakeFn()
+    b, q = make(fn, max_batch_size=4, max_delay_s=60.0, pad=pad, eager=True)
+    b.start()
+
+    async def main():
+        return await asyncio.wait_for(b.submit(q, row(1.0), 120), HANG)
+
+    asyncio.run(main())
+    assert b.calls == 1 and fn.shapes[0][0] == (4 if pad else 1)
+
+
+def test_eager_waits_for_admitted_items_still_decoding(make):
+    """Three requests admitted (places reserved); the first to finish decoding waits for the others."""
+    fn = FakeFn()
+    b, q = make(fn, max_batch_size=4, max_delay_s=60.0, eager=True)
+    b.start()
+
+    async def main():
+        b.reserve(q, 3)
+        first = b.submit(q, row(0.0), 120, reserved=True)
+        await asyncio.sleep(0.3)  # decoding the others: the first must not run alone meanwhile
+        assert b.calls == 0 and not first.done()
+        rest = [b.submit(q, row(float(i)), 120, reserved=True) for i in (1, 2)]
+        return await asyncio.wait_for(asyncio.gather(first, *rest), HANG)
+
+    asyncio.run(main())
+    assert fn.shapes == [(3, D)] and b.calls == 1
+
+
+def test_eager_released_places_let_the_worker_go(make):
+    """A request that fails before submitting gives its places back; what is queued then runs."""
+    fn = FakeFn()
+    b, q = make(fn, max_batch_size=4, max_delay_s=60.0, eager=True)
+    b.start()
+
+    async def main():
+        b.reserve(q, 2)
+        fut = b.submit(q, row(0.0), 120, reserved=True)
+        await asyncio.sleep(0.2)
+        assert not fut.done()
+        b.release(q, 1)
+        return await asyncio.wait_for(fut, HANG)
+
+    asyncio.run(main())
+    assert fn.shapes == [(1, D)]
+
+
+def test_without_eager_a_lone_item_waits_for_max_delay(make):
+    """The classic policy, kept for --no-eager-batching: a lone item waits for its window (60 s
+    here) or a full batch, whichever comes first."""
+    fn = FakeFn()
+    b, q = make(fn, max_batch_size=2, max_delay_s=60.0)
+    b.start()
+
+    async def main():
+        first = b.submit(q, row(0.0), 120)
+        await asyncio.sleep(0.3)
+        assert b.calls == 0 and not first.done()
+        return await asyncio.wait_for(asyncio.gather(first, b.submit(q, row(1.0), 120)), HANG)
+
+    asyncio.run(main())
+    assert fn.shapes == [(2, D)]

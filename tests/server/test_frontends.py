@@ -3,7 +3,7 @@ process through shared memory, as real subprocesses on the shipped default model
 digits-lit, torch backend).
 
 Three servers start together: ``split`` and ``single`` (the same flags, one process) for the
-answers, determinism and shutdown; ``slow`` (a 2 s batching window, 4 places per queue) for
+answers, determinism and shutdown; ``slow`` (a 2 s batching window that items always wait out, 4 places per queue) for
 admission, a killed front end and a killed engine. Tests that end a server come last for it.
 Which front end holds a connection is read from the kernel (psutil), so the cross-process cases
 are deterministic rather than left to the kernel's choice of front end.
@@ -87,7 +87,8 @@ def servers(tmp_path_factory):
     started = {
         "split": Server(workdir, "split", "--frontend-workers", "2", *common),
         "single": Server(workdir, "single", *common),
-        "slow": Server(workdir, "slow", "--frontend-workers", "2", "--max-queue", "4", "--max-delay-ms", "2000"),
+        "slow": Server(workdir, "slow", "--frontend-workers", "2", "--max-queue", "4", "--max-delay-ms", "2000",
+                       "--no-eager-batching"),
     }
     # A start-up failure, checked by test_startup_error_is_one_line (started now: it overlaps the others).
     started_bad = subprocess.Popen(

@@ -19,7 +19,7 @@ from helpers.live import free_port, wait_until
 
 def test_sigterm_drains_without_losing_requests(packages, tmp_path):
     port = free_port()
-    env = {**os.environ, "SOFTMOE_MAX_DELAY_MS": "3000"}  # env vars are settings too
+    env = {**os.environ, "SOFTMOE_MAX_DELAY_MS": "3000", "SOFTMOE_EAGER_BATCHING": "false"}  # env vars are settings too; items wait the window out
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", "--model", f"golden={packages['golden']}",
          "--port", str(port), "--max-batch-size", "32", "--drain-seconds", "1.5", "--cache-dir", str(tmp_path)],
