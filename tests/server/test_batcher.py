@@ -632,12 +632,18 @@ def test_backend_returning_too_few_rows_fails_its_items_and_keeps_the_worker():
 # ---------------------------------------------------------------- eager batching (--eager-batching)
 
 
-@pytest.mark.parametrize("pad", [False, True])
-def test_eager_lone_item_runs_at_once(make, pad):
-    """Nothing else admitted: an idle worker does not sit out a 60 s max_delay."""
+def _eager(make, pad: bool = False):
+    """A started batcher with one eager queue whose window (60 s) never runs out in a test."""
     fn = FakeFn()
     b, q = make(fn, max_batch_size=4, max_delay_s=60.0, pad=pad, eager=True)
     b.start()
+    return fn, b, q
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_eager_lone_item_runs_at_once(make, pad):
+    """Nothing else admitted: an idle worker does not sit out a 60 s max_delay."""
+    fn, b, q = _eager(make, pad)
 
     async def main():
         return await asyncio.wait_for(b.submit(q, row(1.0), 120), HANG)
@@ -648,9 +654,7 @@ def test_eager_lone_item_runs_at_once(make, pad):
 
 def test_eager_waits_for_admitted_items_still_decoding(make):
     """Three requests admitted (places reserved); the first to finish decoding waits for the others."""
-    fn = FakeFn()
-    b, q = make(fn, max_batch_size=4, max_delay_s=60.0, eager=True)
-    b.start()
+    fn, b, q = _eager(make)
 
     async def main():
         b.reserve(q, 3)
@@ -666,9 +670,7 @@ def test_eager_waits_for_admitted_items_still_decoding(make):
 
 def test_eager_released_places_let_the_worker_go(make):
     """A request that fails before submitting gives its places back; what is queued then runs."""
-    fn = FakeFn()
-    b, q = make(fn, max_batch_size=4, max_delay_s=60.0, eager=True)
-    b.start()
+    fn, b, q = _eager(make)
 
     async def main():
         b.reserve(q, 2)
