@@ -699,3 +699,21 @@ def test_without_eager_a_lone_item_waits_for_max_delay(make):
 
     asyncio.run(main())
     assert fn.shapes == [(2, D)]
+
+
+def test_engine_counts_what_the_front_ends_will_still_send():
+    """--frontend-workers: the engine's eager queues read the front ends' reserved places and items
+    in transit from the shared admission table."""
+    import multiprocessing
+
+    from server.batching.engine import AdmissionTable
+
+    table = AdmissionTable.create(multiprocessing.Lock(), queues=2, frontends=2)
+    try:
+        assert table.coming(0) == table.coming(1) == 0
+        table.reserved[0, 1] = 2
+        table.sent[0, 0] = 1
+        table.queued[1] = 5  # already in the engine's queue: not coming
+        assert (table.coming(0), table.coming(1)) == (3, 0)
+    finally:
+        table.close(unlink=True)

@@ -83,7 +83,9 @@ class Server:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("frontends")
-    common = ("--max-queue", "16", "--max-delay-ms", "1000")
+    # A 1 s window every batch waits out (--no-eager-batching): requests are still queued when a
+    # test looks (SIGTERM with requests in flight). Eager batching's engine side: test_batcher.py.
+    common = ("--max-queue", "16", "--max-delay-ms", "1000", "--no-eager-batching")
     started = {
         "split": Server(workdir, "split", "--frontend-workers", "2", *common),
         "single": Server(workdir, "single", *common),
