@@ -26,7 +26,7 @@ from .batching.batcher import Batcher
 from . import context
 from .errors import BadRequest, PayloadTooLarge, QueueFull, ServiceError, Unavailable
 from .metrics import DOOR, Metrics
-from .registry import ServedModel, attach_queues, load_served_model, warmup
+from .registry import ServedModel, apply_jpeg_draft, attach_queues, load_served_model, warmup
 from .service import Service
 from .settings import Settings
 
@@ -202,7 +202,11 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     async def lifespan(app: FastAPI):
         state = app.state
         specs = settings.models or default_model_specs(settings)
-        loaded = models if models is not None else [await asyncio.to_thread(load_served_model, s, settings, log.info) for s in specs]
+        if models is None:
+            loaded = [await asyncio.to_thread(load_served_model, s, settings, log.info) for s in specs]
+            apply_jpeg_draft(loaded, settings.jpeg_draft)  # `softmoe serve` applies it in run.load_models
+        else:
+            loaded = models
         names = [m.name for m in loaded]
         if len(set(names)) != len(names):
             raise RuntimeError(f"two models share a name: {names}")

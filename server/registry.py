@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,23 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
         except Exception as e:
             raise ModelLoadError(f"{path}: {e}") from None
     return model
+
+
+def apply_jpeg_draft(models: list[ServedModel], names: list[str]) -> None:
+    """Turn JPEG draft mode on for the models named by ``--jpeg-draft`` (``*``: all that take images).
+
+    Raises:
+        ModelLoadError: a name that is not a served model, or a model that takes no images.
+    """
+    by_name = {m.name: m for m in models}
+    wanted = [m.name for m in models if m.preprocess is not None] if "*" in names else names
+    for name in wanted:
+        model = by_name.get(name)
+        if model is None:
+            raise ModelLoadError(f"--jpeg-draft {name}: no served model has that name (served: {', '.join(by_name)})")
+        if model.preprocess is None:
+            raise ModelLoadError(f"--jpeg-draft {name}: model {name!r} takes no images")
+        model.preprocess = dataclasses.replace(model.preprocess, jpeg_draft=True)
 
 
 def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metrics: Metrics) -> None:

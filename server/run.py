@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
 import socket
@@ -37,7 +36,7 @@ from softmoe_models.convert import ConversionError
 from softmoe_models.package import PackageError
 
 from .app import create_app, default_model_specs
-from .registry import ModelLoadError, ServedModel, load_served_model
+from .registry import ModelLoadError, ServedModel, apply_jpeg_draft, load_served_model
 from .settings import Settings
 
 log = logging.getLogger("softmoe.server")
@@ -153,23 +152,6 @@ def check_backend(settings: Settings) -> None:
             )
 
 
-def apply_jpeg_draft(models: list[ServedModel], names: list[str]) -> None:
-    """Turn JPEG draft mode on for the models named by ``--jpeg-draft`` (``*``: all that take images).
-
-    Raises:
-        StartupError: a name that is not a served model, or a model that takes no images.
-    """
-    by_name = {m.name: m for m in models}
-    wanted = [m.name for m in models if m.preprocess is not None] if "*" in names else names
-    for name in wanted:
-        model = by_name.get(name)
-        if model is None:
-            raise StartupError(f"--jpeg-draft {name}: no served model has that name (served: {', '.join(by_name)})")
-        if model.preprocess is None:
-            raise StartupError(f"--jpeg-draft {name}: model {name!r} takes no images")
-        model.preprocess = dataclasses.replace(model.preprocess, jpeg_draft=True)
-
-
 def load_models(settings: Settings) -> list[ServedModel]:
     """Every configured model (or the built-in defaults), loaded; closes them all on failure.
 
@@ -194,7 +176,10 @@ def load_models(settings: Settings) -> list[ServedModel]:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise StartupError(f"two models share the name {', '.join(dupes)}; name them with --model NAME=PKG")
-        apply_jpeg_draft(loaded, settings.jpeg_draft)
+        try:
+            apply_jpeg_draft(loaded, settings.jpeg_draft)
+        except ModelLoadError as e:
+            raise StartupError(str(e)) from None
     except BaseException:
         for m in loaded:
             with contextlib.suppress(Exception):

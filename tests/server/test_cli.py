@@ -142,7 +142,7 @@ def test_jpeg_draft_is_opt_in_per_model():
     """Off unless asked for; ``--jpeg-draft NAME`` turns it on for that model only, ``*`` for all."""
     from types import SimpleNamespace
 
-    from server.run import StartupError, apply_jpeg_draft
+    from server.registry import ModelLoadError, apply_jpeg_draft
     from softmoe_models.preprocess import PreprocessConfig
 
     def models():
@@ -157,8 +157,20 @@ def test_jpeg_draft_is_opt_in_per_model():
     ms = models()
     apply_jpeg_draft(ms, ["*"])
     assert [m.preprocess.jpeg_draft for m in ms[:2]] == [True, True] and ms[2].preprocess is None
-    with pytest.raises(StartupError, match="takes no images"):
+    with pytest.raises(ModelLoadError, match="takes no images"):
         apply_jpeg_draft(models(), ["t"])
+
+
+def test_jpeg_draft_also_when_the_app_loads_its_own_models():
+    """create_app without models loads them in its lifespan: --jpeg-draft applies there too."""
+    from fastapi.testclient import TestClient
+
+    from server.app import create_app
+    from server.settings import Settings
+
+    app = create_app(Settings(models=[f"d={SHIPPED / 'digits'}"], jpeg_draft=["d"], backend="torch"))
+    with TestClient(app) as client:
+        assert client.get("/v2/models/d").json()["parameters"]["jpeg_draft"] is True
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
