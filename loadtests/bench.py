@@ -328,6 +328,8 @@ def section_decode(mode: str) -> dict[str, float]:
     res = interleave({"draft": lambda: rate(True), "full": lambda: rate(False)}, pick(mode, 11, 5, 1))
     med = {k: median(v) for k, v in res.items()}
     print(f"\ndecode+preprocess 640x480 JPEG -> 224x224, img/s (one thread): draft {med['draft']:.0f}, full {med['full']:.0f}")
+    from loadtests.decode_cost import draft_accuracy_cost
+
     cost = draft_accuracy_cost(pick(mode, None, None, 24))
     print(f"draft mode on {cost['n']} held-out digits as 640x480 JPEGs: top-1 {cost['acc_alt']:.4f} (draft) vs "
           f"{cost['acc_full']:.4f} (full decode), agreement {cost['agree']:.4f}, max |pixel diff| {cost['max_px']:.3f}")
@@ -335,60 +337,6 @@ def section_decode(mode: str) -> dict[str, float]:
             "img_per_s_decode_draft": round(med["draft"], 1), "img_per_s_decode_full": round(med["full"], 1),
             "draft_top1_full": round(cost["acc_full"], 4), "draft_top1_draft": round(cost["acc_alt"], 4),
             "draft_top1_agreement": round(cost["agree"], 4), "draft_max_pixel_diff": round(cost["max_px"], 4)}
-
-
-def held_out_jpegs(limit: int | None = None) -> tuple[list[bytes], np.ndarray]:
-    """The built-in digits classifier's held-out images (never trained on), each upscaled to 640x480
-    (bicubic) and stored as a quality-90 JPEG, as a camera would; and their labels."""
-    from PIL import Image
-
-    from softmoe_models.demo.data import load_splits
-
-    _, held = load_splits()
-    n = len(held.targets) if limit is None else min(limit, len(held.targets))
-    blobs = []
-    for png in held.pngs[:n]:
-        buf = io.BytesIO()
-        Image.open(io.BytesIO(png)).convert("RGB").resize((640, 480), Image.Resampling.BICUBIC).save(buf, "JPEG", quality=90)
-        blobs.append(buf.getvalue())
-    return blobs, held.targets[:n]
-
-
-def decode_accuracy_cost(alt_decode: Callable, limit: int | None = None) -> dict[str, float]:
-    """Another way of decoding (``alt_decode(data, target_size) -> PIL image``) against the full
-    Pillow decode, on ``held_out_jpegs``: both preprocessed as the server does and classified by the
-    same fp32 torch model on the CPU. Top-1 accuracy of each, their agreement, and the largest
-    difference in preprocessed pixel values."""
-    from server.backends.torch_backend import TorchBackend
-    from server.default_model import SHIPPED
-    from server.pipeline.decode import decode
-    from softmoe_models.package import read_package
-    from softmoe_models.preprocess import preprocess_image
-
-    digits = SHIPPED / "digits"
-    pre = read_package(digits).preprocess
-    blobs, y = held_out_jpegs(limit)
-    full = np.stack([preprocess_image(decode(b, pre.image_size), pre) for b in blobs])
-    alt = np.stack([preprocess_image(alt_decode(b, pre.image_size), pre) for b in blobs])
-    backend = TorchBackend(digits, device="cpu", precision="fp32", max_batch_size=64)
-    try:
-        def top1(x: np.ndarray) -> np.ndarray:
-            name = backend.functions["classify"].inputs[0].name
-            out = [backend.run("classify", {name: x[i:i + 64]})["logits"] for i in range(0, len(x), 64)]
-            return np.concatenate(out).argmax(-1)
-
-        a, b = top1(full), top1(alt)
-    finally:
-        backend.close()
-    return {"n": len(y), "acc_full": float((a == y).mean()), "acc_alt": float((b == y).mean()),
-            "agree": float((a == b).mean()), "max_px": float(np.abs(full - alt).max())}
-
-
-def draft_accuracy_cost(limit: int | None = None) -> dict[str, float]:
-    """JPEG draft mode's accuracy cost (``decode_accuracy_cost`` of the draft decode)."""
-    from server.pipeline.decode import decode
-
-    return decode_accuracy_cost(lambda data, size: decode(data, size, draft=True), limit)
 
 
 def section_zeroshot(mode: str) -> dict[str, float]:

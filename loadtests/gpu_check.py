@@ -406,7 +406,7 @@ def section_gpu_decode(log) -> dict[str, Any]:
     as 640x480 JPEGs: top-1 agreement, both accuracies, the largest preprocessed-pixel difference.
     A measurement (the option is opt-in because the pixels differ), never a failure; a decoder that
     cannot open is reported as skipped."""
-    from loadtests.bench import decode_accuracy_cost
+    from loadtests.decode_cost import decode_accuracy_cost
     from server.pipeline.gpu_decode import GpuDecodeUnavailable, open_decoder
 
     try:
