@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import random
 import time
-import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -51,6 +52,11 @@ ERROR_TYPES = ("invalid_request", "not_found", "payload_too_large", "unsupported
                "http_error")
 STATUSES = (200, 400, 404, 405, 413, 415, 422, 429, 499, 500, 503, 504)
 EXEMPT = ("/v2/health", "/metrics")
+# Request ids (uuid4's format, 32 hex digits) from a PRNG seeded by the OS, reseeded in forked children:
+# uuid.uuid4() reads os.urandom, a system call that gives up the GIL on the event loop's thread on
+# every request. The ids name requests in logs and traces; they are not secrets.
+_ids = random.Random()
+os.register_at_fork(after_in_child=_ids.seed)
 
 
 class Observe:
@@ -80,7 +86,7 @@ class Observe:
         path = scope.get("path", "")
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128]
-        request_id = rid if rid and rid.isprintable() else uuid.uuid4().hex
+        request_id = rid if rid and rid.isprintable() else f"{_ids.getrandbits(128):032x}"
         tokens = (context.request_id.set(request_id),
                   context.deadline.set(start + self.settings.request_timeout_s))
         seen: dict[str, object] = {"status": 500, "model": "none", "started": False}

@@ -212,6 +212,27 @@ def test_timing_headers_and_request_id(client):
     assert len(client.get("/v2/health/live").headers["x-request-id"]) == 32
 
 
+def test_generated_request_ids_are_unique_and_differ_in_forked_children(client):
+    import os
+    import re
+
+    from server import app as app_module
+
+    ids = {client.get("/v2/health/live").headers["x-request-id"] for _ in range(50)}
+    assert len(ids) == 50 and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
+    # Front ends are forked: each must draw its own ids, not replay its parent's sequence.
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.write(w, f"{app_module._ids.getrandbits(128):032x}".encode())
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 64).decode()
+    os.waitpid(pid, 0)
+    os.close(r)
+    assert child != f"{app_module._ids.getrandbits(128):032x}"
+
+
 # ------------------------------------------------------------------ errors: JSON bodies naming the problem
 
 
