@@ -86,3 +86,13 @@ def test_peers_report_every_ratio_or_are_skipped(smoke):
             assert isinstance(v, (int, float)) and math.isfinite(v), f"{key} = {v!r}"
     strays = [k for k in result if k.startswith("peer_") and not any(k.startswith(f"peer_{n}_") for n in ran)]
     assert not strays
+
+
+def test_mem_available_reads_meminfo():
+    from pathlib import Path
+
+    from loadtests.bench import mem_available
+
+    total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                 if line.startswith("MemTotal:"))
+    assert 0 < mem_available() <= total
