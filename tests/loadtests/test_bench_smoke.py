@@ -96,3 +96,37 @@ def test_mem_available_reads_meminfo():
     total = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                  if line.startswith("MemTotal:"))
     assert 0 < mem_available() <= total
+
+
+def test_frozen_stops_a_server_and_its_children_then_continues_them(tmp_path):
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from loadtests.bench import descendants, frozen
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    # A parent with a child, both sleeping: what a peer server with its worker looks like.
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"])
+    try:
+        for _ in range(100):
+            pids = descendants(parent.pid)
+            if len(pids) == 2:
+                break
+            time.sleep(0.05)
+        assert len(pids) == 2, pids
+
+        class Server:
+            proc = parent
+
+        with frozen([Server()]):
+            assert [state(p) for p in pids] == ["T", "T"]
+        assert all(state(p) != "T" for p in pids)
+    finally:
+        for p in reversed(descendants(parent.pid)):
+            subprocess.run(["kill", "-9", str(p)], check=False)
+        parent.wait()
