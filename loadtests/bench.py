@@ -143,6 +143,14 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (R running, S sleeping, T stopped, ...); '' if gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 @contextlib.contextmanager
 def frozen(servers: list[ServerProcess]):
     """Every process of ``servers`` stopped (SIGSTOP) inside the block, continued after it.
@@ -157,6 +165,10 @@ def frozen(servers: list[ServerProcess]):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(p, signal.SIGSTOP)
                 stopped.append(p)
+        # A signal is delivered asynchronously: the window starts once every process has stopped.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and any(_state(p) not in ("T", "t", "Z", "X", "") for p in stopped):
+            time.sleep(0.005)
         yield
     finally:
         for p in stopped:

@@ -123,8 +123,12 @@ def test_frozen_stops_a_server_and_its_children_then_continues_them(tmp_path):
         class Server:
             proc = parent
 
-        with frozen([Server()]):
+        with frozen([Server()]):  # returns once every process has stopped
             assert [state(p) for p in pids] == ["T", "T"]
+        for _ in range(200):  # SIGCONT, like SIGSTOP, is delivered asynchronously
+            if all(state(p) != "T" for p in pids):
+                break
+            time.sleep(0.01)
         assert all(state(p) != "T" for p in pids)
     finally:
         for p in reversed(descendants(parent.pid)):
