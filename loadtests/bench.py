@@ -17,8 +17,8 @@ object with every ratio):
              1 process vs N independent processes (N = the CPUs, at least 2).
   peers      The same exported ONNX graph with the same batching limits, decode and threads behind
              `softmoe serve --backend onnxruntime` (and with --no-strict-determinism), LitServe and
-             Ray Serve (loadtests/peers/): throughput at saturation and p50/p99 at concurrency 1, as
-             ratios to ours. A peer whose package does not import under --peers-python is skipped
+             Ray Serve (loadtests/peers/; the section is loadtests/peers_bench.py): throughput at
+             saturation and p50/p99 at concurrency 1, as ratios to ours. A peer whose package does not import under --peers-python is skipped
              (its keys are absent). Servers start one at a time; one whose expected footprint
              does not fit the memory left is not started (peers_skipped_memory names it). In
              each window the other servers are frozen (SIGSTOP): idle LitServe polls its queues
@@ -61,6 +61,7 @@ from typing import Callable
 
 import numpy as np
 
+from loadtests.procs import cpu_seconds
 from loadtests.run import ServerProcess, free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,65 +116,6 @@ class Child(ServerProcess):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         return code
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process, all its threads (Linux /proc); None elsewhere."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (Linux /proc; just ``[pid]`` elsewhere)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
-def _state(pid: int) -> str:
-    """A process's state letter from /proc (R running, S sleeping, T stopped, ...); '' if gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-@contextlib.contextmanager
-def frozen(servers: list[ServerProcess]):
-    """Every process of ``servers`` stopped (SIGSTOP) inside the block, continued after it.
-
-    Servers alive side by side are not idle alike: LitServe's idle API server and worker poll
-    their queues (10-20% of a core here), Ray's daemons heartbeat, ours sleep. Measuring one
-    server while the others are frozen keeps their idle cost out of its window."""
-    pids = [p for s in servers if s.proc.poll() is None for p in descendants(s.proc.pid)]
-    stopped = []
-    try:
-        for p in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p, signal.SIGSTOP)
-                stopped.append(p)
-        # A signal is delivered asynchronously: the window starts once every process has stopped.
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and any(_state(p) not in ("T", "t", "Z", "X", "") for p in stopped):
-            time.sleep(0.005)
-        yield
-    finally:
-        for p in stopped:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(p, signal.SIGCONT)
 
 
 # ------------------------------------------------------------------ the client
@@ -503,7 +445,7 @@ def warm_cache(spec: str, **settings) -> None:
     print(f"[{spec.split('=')[0]} loaded once in {time.perf_counter() - t0:.0f}s: the export cache is warm]", flush=True)
 
 
-def _proven(server: ServerProcess) -> str:
+def proven_line(server: ServerProcess) -> str:
     """The 'padded shapes proven' line a server started with --log-level info wrote."""
     for line in server.tail(200).splitlines():
         if "padded shapes proven" in line:
@@ -585,7 +527,7 @@ def section_serving(mode: str, workdir: Path) -> dict[str, float]:
         servers.update(serve_many({"dynamic_loose": [*full, "--no-strict-determinism"]}, parallel))
         res = interleave({"strict_saturation": sat("dynamic_strict"), "loose_saturation": sat("dynamic_loose"),
                           "strict_c1_p50_ms": c1("dynamic_strict"), "loose_c1_p50_ms": c1("dynamic_loose")}, rounds, seed=2)
-        proven = _proven(servers["dynamic_strict"])
+        proven = proven_line(servers["dynamic_strict"])
         med = show(f"{head}: strict determinism vs loose; saturation ({conc} clients, img/s) and concurrency 1 "
                    f"(one client, p50 ms); strict: {proven}", res, "img/s | ms")
         out.update({
@@ -663,134 +605,6 @@ def section_frontend(mode: str) -> dict[str, float]:
             s.stop()
 
 
-PEERS = {"litserve": ("litserve", "loadtests.peers.litserve_app"), "ray_serve": ("ray.serve", "loadtests.peers.ray_app")}
-
-
-def mem_available() -> int:
-    """MemAvailable from /proc/meminfo, in bytes (a large number where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
-
-
-def _importable(python: str, module: str) -> bool:
-    r = subprocess.run([python, "-c", f"import {module}"], cwd=ROOT, capture_output=True, timeout=120)
-    return r.returncode == 0
-
-
-def section_peers(mode: str, workdir: Path, python: str, model: str) -> dict[str, float | str]:
-    available = [name for name, (module, _) in PEERS.items() if _importable(python, module)]
-    skipped = sorted(set(PEERS) - set(available))
-    if skipped:
-        print(f"\npeers: {', '.join(skipped)} not importable by {python}: skipped "
-              "(pip install 'softmoe-serve[peers]', or --peers-python an interpreter that has them)")
-    if not available:
-        return {"peers": "none installed"}
-    from export.onnx import read_metadata
-    from server.backends.onnxruntime_backend import exported_files
-    from server.default_model import SHIPPED
-    from server.settings import Settings
-
-    if model == "digits":
-        pkg = SHIPPED / "digits"
-    else:
-        pkg = workdir / model
-        subprocess.run([sys.executable, "-m", "softmoe_models.cli", "init", model, "--out", str(pkg)], check=True,
-                       stdout=subprocess.DEVNULL)
-    t0 = time.perf_counter()
-    files = exported_files(pkg, "", "fp32", log=lambda m: None)  # the cache `softmoe serve` below reuses
-    onnx = next(f for f in files if read_metadata(f).get("graph") == "classifier")
-    print(f"\npeers: {model} exported to ONNX in {time.perf_counter() - t0:.1f}s (or reused from the cache): {onnx}")
-    defaults = Settings.model_fields
-    batch, delay = defaults["max_batch_size"].default, defaults["max_delay_ms"].default
-    threads = len(os.sched_getaffinity(0))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    peer_flags = ["--onnx", str(onnx), "--name", model, "--max-batch-size", str(batch), "--max-delay-ms", str(delay),
-                  "--threads", str(threads)]
-    photos = [jpeg(640, 480, i) for i in range(pick(mode, 32, 16, 4))]
-    requests = [(json_request("/v1/classify", {"images": [b64(p)]}), 1) for p in photos]
-    servers: dict[str, ServerProcess] = {}
-    skipped_memory: list[str] = []
-    weights = sum(p.stat().st_size for p in onnx.parent.iterdir() if p.name.startswith(onnx.name))
-    try:
-        ours = ["--backend", "onnxruntime", "--model", f"{model}={pkg}", "--threads", str(threads)]
-        starts: dict[str, Callable[[], ServerProcess]] = {
-            "ours": lambda: ServerProcess(shlex.join([*ours, "--log-level", "info"]),  # info: its proven shapes
-                                          Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log"),
-        }
-        for name in available:
-            def start(name=name) -> ServerProcess:
-                port = free_port()
-                return Child([python, "-m", PEERS[name][1], *peer_flags, "--port", str(port)], port, env)
-            starts[name] = start
-        # Ours without strict determinism too, last: it tells how much of a gap at concurrency 1 is
-        # the padding, and it is the one left out where memory is short.
-        starts["ours_loose"] = lambda: ServerProcess(shlex.join([*ours, "--no-strict-determinism"]),
-                                                     Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
-        # One at a time, each ready before the next starts: start-up peaks (export checks, the
-        # proofs) never add up. A server whose expected footprint does not fit what is left is
-        # not started: ours holds the plain and the routing graph (2x the weights), a peer one.
-        for name, start in starts.items():
-            need = (2 if name.startswith("ours") else 1) * weights + (1 << 30)
-            if name != "ours" and mem_available() < need:
-                skipped_memory.append(name)
-                print(f"peers: {name} not started: it needs about {need / 2**30:.1f} GiB, "
-                      f"{mem_available() / 2**30:.1f} GiB are available")
-                continue
-            servers[name] = start()
-            if name.startswith("ours"):
-                wait_ready(servers[name].url, 600, servers[name])
-            else:
-                wait_answers(servers[name], requests[0][0], 300)
-        load([s.port for s in servers.values()], requests, pick(mode, 2.0, 1.0, 0.2), 2 * len(servers))  # warm all
-        window, rounds, conc = pick(mode, (5.0, 3, 32), (3.0, 2, 32), (0.3, 1, 8))
-        windows = {}
-        for name, s in servers.items():
-            others = [o for o in servers.values() if o is not s]
-
-            def sat(s=s, others=others) -> Load:
-                with frozen(others):
-                    return load([s.port], requests, window, conc, label="peers")
-
-            def c1(s=s, others=others) -> Load:
-                with frozen(others):
-                    return load([s.port], requests, window, 1, label="peers")
-
-            windows[(name, "saturation")], windows[(name, "c1")] = sat, c1
-        res = interleave(windows, rounds, seed=4)
-        tput = {name: median([w.rps for w in res[(name, "saturation")]]) for name in servers}
-        p50 = {name: median([w.ms(50) for w in res[(name, "c1")]]) for name in servers}
-        p99 = {name: median([w.ms(99) for w in res[(name, "c1")]]) for name in servers}
-        print(f"peers side by side: {model} ({onnx.name}), ONNX Runtime CPU, {threads} intra-op threads, max batch "
-              f"{batch}, max delay {delay:g} ms, 640x480 JPEGs as base64 JSON, the server's decode+preprocess; ours = "
-              f"`softmoe serve --backend onnxruntime` defaults (strict determinism; {_proven(servers['ours'])}), "
-              f"ours_loose = the same with --no-strict-determinism; {conc} clients at saturation; the other servers frozen in each window; median of windows:")
-        print(f"  {'server':10} {'req/s sat.':>10} {'c1 p50 ms':>10} {'c1 p99 ms':>10} {'vs ours: tput':>14} "
-              f"{'p50':>6} {'p99':>6}")
-        out: dict[str, float | str] = {"peers": ",".join(n for n in available if n in servers), "peers_model": model,
-                                       "peers_ours_rps": round(tput["ours"], 1), "peers_ours_c1_p50_ms": round(p50["ours"], 2),
-                                       "peers_ours_c1_p99_ms": round(p99["ours"], 2)}
-        if skipped_memory:
-            out["peers_skipped_memory"] = ",".join(skipped_memory)
-        for name in servers:
-            ratios = (tput[name] / tput["ours"], p50[name] / p50["ours"], p99[name] / p99["ours"])
-            print(f"  {name:10} {tput[name]:10.1f} {p50[name]:10.2f} {p99[name]:10.2f} {ratios[0]:14.2f} "
-                  f"{ratios[1]:6.2f} {ratios[2]:6.2f}")
-            if name != "ours":
-                prefix = "peers_ours_loose" if name == "ours_loose" else f"peer_{name}"
-                out[f"{prefix}_throughput_ratio"] = round(ratios[0], 3)
-                out[f"{prefix}_c1_p50_ratio"] = round(ratios[1], 3)
-                out[f"{prefix}_c1_p99_ratio"] = round(ratios[2], 3)
-        return out
-    finally:
-        for s in servers.values():
-            s.stop()
-
-
 def section_routing(mode: str) -> dict[str, float]:
     """Serving with routing statistics on (sampled, the default) vs off, and on every call
     (loadtests.routing_bench: separate servers, interleaved windows)."""
@@ -829,6 +643,8 @@ SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "la
 
 
 def main(argv: list[str] | None = None) -> None:
+    from loadtests import peers_bench  # imports this module: not at the top
+
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="softmoe-serve benchmarks (ratios measured side by side)")
     size = parser.add_mutually_exclusive_group()
@@ -858,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
             "serving": lambda: section_serving(mode, Path(tmp)),
             "frontend": lambda: section_frontend(mode),
             "routing": lambda: section_routing(mode),
-            "peers": lambda: section_peers(mode, Path(tmp), args.peers_python, args.peers_model),
+            "peers": lambda: peers_bench.section(mode, Path(tmp), args.peers_python, args.peers_model),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import gzip
 import io
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -22,12 +21,12 @@ import httpx
 import numpy as np
 from PIL import Image
 
+from loadtests.procs import cpu_seconds
 from loadtests.run import ServerProcess, wait_ready
 
 
 def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu_seconds(pid) or 0.0  # 0 where /proc is not there
 
 
 def _png(arr: np.ndarray) -> bytes:

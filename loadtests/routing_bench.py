@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from loadtests.procs import cpu_seconds
 from loadtests.run import ServerProcess, wait_ready
 
 SAMPLES = {"off": 0, "default (1 in 16)": 16, "every call": 1}
@@ -63,14 +64,7 @@ async def _closed_loop(url: str, images: list[str], seconds: float, concurrency:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process, all threads (Linux /proc; 0 elsewhere)."""
-    import os
-
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    return cpu_seconds(pid) or 0.0  # 0 where /proc is not there
 
 
 def _sampled(url: str) -> float:

@@ -1,0 +1,135 @@
+"""The bench's peers section: the same exported ONNX graph with the same batching limits, decode
+and threads behind `softmoe serve --backend onnxruntime` (strict, and loose), LitServe and Ray
+Serve (loadtests/peers/), one server measured at a time with the others frozen.
+
+    python -m loadtests.bench --skip decode,zeroshot,serving,frontend,routing,layers,gpu [--peers-model NAME]
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from loadtests.bench import (ROOT, Child, Load, b64, interleave, jpeg, json_request, load, median, pick, proven_line,
+                             wait_answers)
+from loadtests.procs import frozen, mem_available
+from loadtests.run import ServerProcess, free_port, wait_ready
+
+
+PEERS = {"litserve": ("litserve", "loadtests.peers.litserve_app"), "ray_serve": ("ray.serve", "loadtests.peers.ray_app")}
+
+
+def _importable(python: str, module: str) -> bool:
+    r = subprocess.run([python, "-c", f"import {module}"], cwd=ROOT, capture_output=True, timeout=120)
+    return r.returncode == 0
+
+
+def section(mode: str, workdir: Path, python: str, model: str) -> dict[str, float | str]:
+    """The peers section of loadtests/bench.py (see its docstring); the last JSON line's peer keys."""
+    available = [name for name, (module, _) in PEERS.items() if _importable(python, module)]
+    skipped = sorted(set(PEERS) - set(available))
+    if skipped:
+        print(f"\npeers: {', '.join(skipped)} not importable by {python}: skipped "
+              "(pip install 'softmoe-serve[peers]', or --peers-python an interpreter that has them)")
+    if not available:
+        return {"peers": "none installed"}
+    from export.onnx import read_metadata
+    from server.backends.onnxruntime_backend import exported_files
+    from server.default_model import SHIPPED
+    from server.settings import Settings
+
+    if model == "digits":
+        pkg = SHIPPED / "digits"
+    else:
+        pkg = workdir / model
+        subprocess.run([sys.executable, "-m", "softmoe_models.cli", "init", model, "--out", str(pkg)], check=True,
+                       stdout=subprocess.DEVNULL)
+    t0 = time.perf_counter()
+    files = exported_files(pkg, "", "fp32", log=lambda m: None)  # the cache `softmoe serve` below reuses
+    onnx = next(f for f in files if read_metadata(f).get("graph") == "classifier")
+    print(f"\npeers: {model} exported to ONNX in {time.perf_counter() - t0:.1f}s (or reused from the cache): {onnx}")
+    defaults = Settings.model_fields
+    batch, delay = defaults["max_batch_size"].default, defaults["max_delay_ms"].default
+    threads = len(os.sched_getaffinity(0))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    peer_flags = ["--onnx", str(onnx), "--name", model, "--max-batch-size", str(batch), "--max-delay-ms", str(delay),
+                  "--threads", str(threads)]
+    photos = [jpeg(640, 480, i) for i in range(pick(mode, 32, 16, 4))]
+    requests = [(json_request("/v1/classify", {"images": [b64(p)]}), 1) for p in photos]
+    servers: dict[str, ServerProcess] = {}
+    skipped_memory: list[str] = []
+    weights = sum(p.stat().st_size for p in onnx.parent.iterdir() if p.name.startswith(onnx.name))
+    try:
+        ours = ["--backend", "onnxruntime", "--model", f"{model}={pkg}", "--threads", str(threads)]
+        starts: dict[str, Callable[[], ServerProcess]] = {
+            "ours": lambda: ServerProcess(shlex.join([*ours, "--log-level", "info"]),  # info: its proven shapes
+                                          Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log"),
+        }
+        for name in available:
+            def start(name=name) -> ServerProcess:
+                port = free_port()
+                return Child([python, "-m", PEERS[name][1], *peer_flags, "--port", str(port)], port, env)
+            starts[name] = start
+        # Ours without strict determinism too, last: it tells how much of a gap at concurrency 1 is
+        # the padding, and it is the one left out where memory is short.
+        starts["ours_loose"] = lambda: ServerProcess(shlex.join([*ours, "--no-strict-determinism"]),
+                                                     Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
+        # One at a time, each ready before the next starts: start-up peaks (export checks, the
+        # proofs) never add up. A server whose expected footprint does not fit what is left is
+        # not started: ours holds the plain and the routing graph (2x the weights), a peer one.
+        for name, start in starts.items():
+            need, free = (2 if name.startswith("ours") else 1) * weights + (1 << 30), mem_available()
+            if name != "ours" and free < need:
+                skipped_memory.append(name)
+                print(f"peers: {name} not started: it needs about {need / 2**30:.1f} GiB, "
+                      f"{free / 2**30:.1f} GiB are available")
+                continue
+            servers[name] = start()
+            if name.startswith("ours"):
+                wait_ready(servers[name].url, 600, servers[name])
+            else:
+                wait_answers(servers[name], requests[0][0], 300)
+        load([s.port for s in servers.values()], requests, pick(mode, 2.0, 1.0, 0.2), 2 * len(servers))  # warm all
+        window, rounds, conc = pick(mode, (5.0, 3, 32), (3.0, 2, 32), (0.3, 1, 8))
+        def alone(s: ServerProcess, concurrency: int) -> Load:
+            with frozen([o for o in servers.values() if o is not s]):
+                return load([s.port], requests, window, concurrency, label="peers")
+
+        windows = {}
+        for name, s in servers.items():
+            windows[(name, "saturation")] = lambda s=s: alone(s, conc)
+            windows[(name, "c1")] = lambda s=s: alone(s, 1)
+        res = interleave(windows, rounds, seed=4)
+        tput = {name: median([w.rps for w in res[(name, "saturation")]]) for name in servers}
+        p50 = {name: median([w.ms(50) for w in res[(name, "c1")]]) for name in servers}
+        p99 = {name: median([w.ms(99) for w in res[(name, "c1")]]) for name in servers}
+        print(f"peers side by side: {model} ({onnx.name}), ONNX Runtime CPU, {threads} intra-op threads, max batch "
+              f"{batch}, max delay {delay:g} ms, 640x480 JPEGs as base64 JSON, the server's decode+preprocess; ours = "
+              f"`softmoe serve --backend onnxruntime` defaults (strict determinism; {proven_line(servers['ours'])}), "
+              f"ours_loose = the same with --no-strict-determinism; {conc} clients at saturation; the other servers frozen in each window; median of windows:")
+        print(f"  {'server':10} {'req/s sat.':>10} {'c1 p50 ms':>10} {'c1 p99 ms':>10} {'vs ours: tput':>14} "
+              f"{'p50':>6} {'p99':>6}")
+        out: dict[str, float | str] = {"peers": ",".join(n for n in available if n in servers), "peers_model": model,
+                                       "peers_ours_rps": round(tput["ours"], 1), "peers_ours_c1_p50_ms": round(p50["ours"], 2),
+                                       "peers_ours_c1_p99_ms": round(p99["ours"], 2)}
+        if skipped_memory:
+            out["peers_skipped_memory"] = ",".join(skipped_memory)
+        for name in servers:
+            ratios = (tput[name] / tput["ours"], p50[name] / p50["ours"], p99[name] / p99["ours"])
+            print(f"  {name:10} {tput[name]:10.1f} {p50[name]:10.2f} {p99[name]:10.2f} {ratios[0]:14.2f} "
+                  f"{ratios[1]:6.2f} {ratios[2]:6.2f}")
+            if name != "ours":
+                prefix = "peers_ours_loose" if name == "ours_loose" else f"peer_{name}"
+                out[f"{prefix}_throughput_ratio"] = round(ratios[0], 3)
+                out[f"{prefix}_c1_p50_ratio"] = round(ratios[1], 3)
+                out[f"{prefix}_c1_p99_ratio"] = round(ratios[2], 3)
+        return out
+    finally:
+        for s in servers.values():
+            s.stop()
