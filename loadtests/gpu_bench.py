@@ -5,13 +5,14 @@
 Used by `make bench` (its gpu section) and `make gpu-check`. Both models get random weights (time
 does not depend on their values), built straight on the GPU in the serving precision (``auto``:
 bf16 on GPUs with native bf16, else fp16), 224x224 inputs, 1000 classes. Every figure is a call of
-``TorchBackend.run``, the server's path: float32 numpy in, host-to-device copy, forward, device-to-host
-copy, numpy out.
+``TorchBackend.run``, the server's path: numpy in (float32 pixel values, or uint8 RGB), host-to-device
+copy, forward, device-to-host copy, numpy out. The same images feed every configuration.
 
 Measured, each set in one run with the alternatives in shuffled alternating windows (median of
 the windows):
   * batch 8: Soft MoE-B/16 vs ViT-B/16, time per image and images/s; eager vs CUDA graph for each;
-    pinned vs pageable staging (Soft MoE, CUDA graph);
+    pinned vs pageable staging and uint8 vs float32 pixel transfer (Soft MoE, CUDA graph; uint8:
+    resized RGB bytes in, mapped to the value range on the device);
   * the largest batch (power of two, 16..1024) at which both models run: the same comparisons.
 A configuration that does not fit in GPU memory is reported as such, never retried smaller.
 Needs a CUDA device; without one ``run`` returns ``{"gpu": "not available"}``.
@@ -56,15 +57,26 @@ def random_model(variant: str, dtype, device: str = "cuda", seed: int = 0):
     return model.eval().requires_grad_(False)
 
 
-def per_image(backend, x: np.ndarray, seconds: float) -> float:
-    """Seconds per image of ``backend.run`` on ``x``, calls repeated for ``seconds`` (at least 2)."""
+def per_image(backend, images: np.ndarray, seconds: float) -> float:
+    """Seconds per image of ``backend.run`` on ``images`` ((N, S, S, 3) uint8, passed as the
+    backend's input: uint8 as they are, else mapped to float32 pixel values on the host first, as
+    the server's preprocessing does), calls repeated for ``seconds`` (at least 2)."""
+    spec = backend.functions["classify"].inputs[0]
+    rows = {spec.name: images if spec.dtype == np.uint8 else pixel_values(images)}
     n, t0 = 0, time.perf_counter()
     while True:
-        backend.run("classify", {"pixel_values": x})
+        backend.run("classify", rows)
         n += 1
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds and n >= 2:
-            return elapsed / (n * len(x))
+            return elapsed / (n * len(images))
+
+
+def pixel_values(images: np.ndarray, value_range: tuple[float, float] = (-1.0, 1.0)) -> np.ndarray:
+    from softmoe_models.preprocess import PreprocessConfig, to_pixel_values
+
+    cfg = PreprocessConfig(image_size=images.shape[1], value_range=value_range)
+    return np.stack([to_pixel_values(im, cfg) for im in images])
 
 
 def interleave(windows: dict[str, Callable[[], float]], rounds: int, seed: int = 0) -> dict[str, float]:
@@ -79,11 +91,12 @@ def interleave(windows: dict[str, Callable[[], float]], rounds: int, seed: int =
     return {k: statistics.median(v) for k, v in values.items()}
 
 
-def _backend(model, precision: str, batch: int, graphs: bool, pinned: bool):
+def _backend(model, precision: str, batch: int, graphs: bool, pinned: bool, uint8: bool = False,
+             device: str = "cuda"):
     from server.backends.torch_backend import TorchBackend
 
-    b = TorchBackend(model, device="cuda", precision=precision, max_batch_size=batch, cuda_graphs=graphs,
-                     pinned_staging=pinned)
+    b = TorchBackend(model, device=device, precision=precision, max_batch_size=batch, cuda_graphs=graphs,
+                     pinned_staging=pinned, pixel_transfer="uint8" if uint8 else "float32", value_range=(-1.0, 1.0))
     b.warmup([batch])
     return b
 
@@ -110,25 +123,28 @@ def largest_batch(models: dict[str, Any], precision: str, log=print) -> int | No
     return None
 
 
-def compare(models: dict[str, Any], precision: str, batch: int, window: float, rounds: int, log=print) -> dict[str, float | str]:
-    """Soft MoE vs ViT at ``batch``: CUDA graph vs eager, pinned vs pageable, side by side."""
+def compare(models: dict[str, Any], precision: str, batch: int, window: float, rounds: int, log=print,
+            device: str = "cuda", size: int = 224) -> dict[str, float | str]:
+    """Soft MoE vs ViT at ``batch``: CUDA graph vs eager, pinned vs pageable, uint8 vs float32
+    transfer, side by side. (``device="cpu"`` and small models: the smoke test of this code.)"""
     import torch
 
-    configs = {f"{m}_graph": (m, True, True) for m in models}
-    configs.update({f"{m}_eager": (m, False, True) for m in models})
-    configs["softmoe_graph_pageable"] = ("softmoe", True, False)
+    configs = {f"{m}_graph": (m, True, True, False) for m in models}
+    configs.update({f"{m}_eager": (m, False, True, False) for m in models})
+    configs["softmoe_graph_pageable"] = ("softmoe", True, False, False)
+    configs["softmoe_graph_uint8"] = ("softmoe", True, True, True)
     backends, out = {}, {}
-    for name, (m, graphs, pinned) in configs.items():
+    for name, (m, graphs, pinned, uint8) in configs.items():
         try:
-            backends[name] = _backend(models[m], precision, batch, graphs, pinned)
+            backends[name] = _backend(models[m], precision, batch, graphs, pinned, uint8, device)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             out[f"gpu_{name}_b{batch}"] = "out of memory"
-    x = np.random.default_rng(0).uniform(-1, 1, (batch, 3, 224, 224)).astype(np.float32)
+    images = np.random.default_rng(0).integers(0, 256, (batch, size, size, 3)).astype(np.uint8)
 
     def window_of(b) -> float:
         try:
-            return per_image(b, x, window)
+            return per_image(b, images, window)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             return float("inf")
@@ -156,6 +172,7 @@ def compare(models: dict[str, Any], precision: str, batch: int, window: float, r
     ratio("gpu_graph_speedup_softmoe", "softmoe_eager", "softmoe_graph")
     ratio("gpu_graph_speedup_vit", "vit_eager", "vit_graph")
     ratio("gpu_pinned_speedup_softmoe", "softmoe_graph_pageable", "softmoe_graph")
+    ratio("gpu_uint8_speedup_softmoe", "softmoe_graph", "softmoe_graph_uint8")  # float32 / uint8 transfer
     return out
 
 

@@ -13,12 +13,14 @@ automake-style harnesses). With one:
 3. Determinism: the same image at every slot of the fixed batch shape among different batch-mates
    gives bitwise-identical outputs (torch eager, torch CUDA graph, ONNX Runtime CUDA, and a random
    224x224 Soft MoE S/16 with 128 experts on torch); a second process computes the same bytes; CUDA
-   graph replay equals eager; pinned staging equals pageable copies.
+   graph replay equals eager; pinned staging equals pageable copies; uint8 pixel transfer
+   (``--pixel-transfer uint8``) equals float32.
 4. GPU JPEG decode (``--decode-device cuda``, nvJPEG via torchvision; skipped without it) against
    Pillow on the held-out digits as 640x480 JPEGs: top-1 agreement and max pixel difference.
 5. ``pytest tests/gpu``.
 6. Timings (``loadtests.gpu_bench``): Soft MoE-B/16 vs ViT-B/16, random weights, at batch 8 and at
-   the largest batch that fits; eager vs CUDA graph, pinned vs pageable, side by side in one run.
+   the largest batch that fits; eager vs CUDA graph, pinned vs pageable, uint8 vs float32 transfer,
+   side by side in one run.
 
 Exit status: 0 when every check that ran passed (timings never fail it), 1 otherwise, 77 without
 CUDA, 2 when torch is not importable. The whole run stays inside ``--budget-s`` (default 540 s: the
@@ -221,6 +223,19 @@ def slot_invariance(backend, target: np.ndarray, pool: np.ndarray, batch: int = 
     return {"bitwise": bool(bitwise), "positions": batch, "max_abs_diff": diff}
 
 
+def uint8_equals_float32(source, images: np.ndarray, device: str = "cuda", **kwargs) -> dict[str, Any]:
+    """``--pixel-transfer uint8`` against float32 on the same images ((N, S, S, 3) uint8): the torch
+    backend's outputs must be bitwise equal (the device maps bytes to pixel values by table lookup)."""
+    from loadtests.gpu_bench import pixel_values
+
+    plain = torch_backend(source, device=device, **kwargs)
+    uint8 = torch_backend(source, device=device, pixel_transfer="uint8", value_range=(-1.0, 1.0), **kwargs)
+    for b in (plain, uint8):
+        b.warmup([BATCH])
+    return {"bitwise": outputs_equal(run_fixed(plain, pixel_values(images)), run_fixed(uint8, images)),
+            "images": int(len(images))}
+
+
 def outputs_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(a[k].tobytes() == b[k].tobytes() for k in a)
 
@@ -372,6 +387,8 @@ def section_determinism(cache_dir: str, log) -> dict[str, Any]:
     record("cuda_graph_equals_eager", lambda: {"bitwise": outputs_equal(run_fixed(mid(True), mx), run_fixed(mid(False), mx))})
     record("pinned_equals_pageable", lambda: {"bitwise": outputs_equal(run_fixed(mid(True), mx), run_fixed(mid(True, False), mx))})
     backends.clear()
+    images = np.random.default_rng(2).integers(0, 256, (20, 224, 224, 3)).astype(np.uint8)
+    record("uint8_transfer_equals_float32", lambda: uint8_equals_float32(model, images))
     del model
     record("second_process_identical", lambda: {"bitwise": second_process_digest() == digest_in_subprocess()})
     return out

@@ -15,7 +15,7 @@ from softmoe_models.package import read_package
 from softmoe_models.preprocess import PreprocessConfig
 from softmoe_models.tokenizer import Tokenizer
 
-from .backends.base import ROUTING, Backend
+from .backends.base import PIXELS, ROUTING, Backend
 from .batching.batcher import Batcher, ModelQueue
 from .metrics import Metrics
 from .settings import Settings
@@ -123,6 +123,16 @@ class ServedModel:
     def can(self, fn: str) -> bool:
         return fn in self.backend.functions or (fn == ROUTING and self.routing is not None)
 
+    @property
+    def pixel_input(self) -> str | None:
+        """The name of the image functions' input: ``pixel_values`` (float32) or ``pixels`` (uint8
+        transfer); None for a model without images."""
+        for fn in ("classify", "image"):
+            spec = self.backend.functions.get(fn)
+            if spec is not None:
+                return next((s.name for s in spec.inputs if s.name in ("pixel_values", PIXELS)), None)
+        return None
+
 
 def parse_spec(spec: str) -> tuple[str | None, Path]:
     """``NAME=PATH`` or ``PATH``."""
@@ -193,7 +203,7 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
         return TorchBackend(path, device=settings.device, precision=precision,
                             max_batch_size=settings.max_batch_size, threads=settings.threads,
                             cuda_graphs=settings.cuda_graphs, pinned_staging=settings.pinned_staging,
-                            routing=settings.routing)
+                            routing=settings.routing, pixel_transfer=settings.pixel_transfer)
     if settings.backend == "onnxruntime":
         from .backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
 
@@ -373,7 +383,9 @@ def prove_shapes(model: ServedModel, max_batch_size: int, log=print, seed: int =
         rows = {}
         for s in spec.inputs:
             shape = (max_batch_size, *s.shape)
-            if np.issubdtype(s.dtype, np.integer):
+            if s.dtype == np.uint8:  # uint8 pixel transfer: every byte value
+                rows[s.name] = rng.integers(0, 256, shape).astype(s.dtype)
+            elif np.issubdtype(s.dtype, np.integer):
                 rows[s.name] = rng.integers(0, model.vocab_size or 2, shape).astype(s.dtype)
             else:
                 rows[s.name] = rng.uniform(-1, 1, shape).astype(s.dtype)

@@ -16,7 +16,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from softmoe_models import routing as routing_lib
-from softmoe_models.preprocess import preprocess_image
+from softmoe_models.preprocess import model_rgb, preprocess_image, to_pixel_values
 
 from . import context
 from .batching.batcher import Batcher, ModelQueue, Result
@@ -24,7 +24,7 @@ from .errors import BadRequest, ClientDisconnected, NotFound, ServiceError, Unav
 from .metrics import Metrics
 from .pipeline.decode import decode
 from .pipeline.probe import ImageInfo, budget, probe
-from .registry import ROUTING, ServedModel
+from .registry import PIXELS, ROUTING, ServedModel
 from .settings import Settings
 
 MAX_TEMPLATES = 32
@@ -203,13 +203,16 @@ class Service:
             raise
         return infos
 
-    async def pixel_rows(self, model: ServedModel, blobs: list[bytes], timings: Timings, param: str = "images") -> list[np.ndarray]:
+    async def pixel_rows(self, model: ServedModel, blobs: list[bytes], timings: Timings,
+                         param: str = "images") -> list[dict[str, np.ndarray]]:
         """Probe every image (sizes and the request's pixel budget), then decode and preprocess
-        them in the thread pool, each decode bounded by the request's deadline."""
+        them in the thread pool, each decode bounded by the request's deadline: one backend row per
+        image, ``pixel_values`` float32, or ``pixels`` uint8 where the backend takes uint8 transfer."""
         self.check_count(len(blobs), self.settings.max_images_per_request, "images", param)
         if model.preprocess is None:
             raise Unprocessable(f"model {model.name!r} takes no images", param="model")
         cfg, loop = model.preprocess, asyncio.get_running_loop()
+        uint8 = model.pixel_input == PIXELS
         infos = await asyncio.to_thread(self.probe_images, blobs, cfg.image_size, param, cfg.jpeg_draft)
         deadline = context.deadline.get()
         max_pixels = self.settings.max_image_pixels
@@ -224,7 +227,7 @@ class Service:
                 e.param = e.param or f"{param}[{i}]"
                 raise
             t1 = time.perf_counter()
-            px = preprocess_image(im, cfg)
+            px = {PIXELS: model_rgb(im, cfg)} if uint8 else {"pixel_values": preprocess_image(im, cfg)}
             return px, t1 - t0, time.perf_counter() - t1
 
         jobs = [loop.run_in_executor(self.pool, work, b, info, i) for i, (b, info) in enumerate(zip(blobs, infos))]
@@ -247,8 +250,8 @@ class Service:
         decode, preprocess, and the batcher."""
         self.check_count(len(blobs), self.settings.max_images_per_request, "images", param)
         with self.reserve(model, fn, len(blobs)) as held:
-            pixels = await self.pixel_rows(model, blobs, timings, param)
-            return await self.run(model, fn, [{"pixel_values": p} for p in pixels], timings, receive, held=held,
+            rows = await self.pixel_rows(model, blobs, timings, param)
+            return await self.run(model, fn, rows, timings, receive, held=held,
                                   param=param)
 
     async def run(self, model: ServedModel, fn: str, rows: list[dict[str, np.ndarray]], timings: Timings,
@@ -465,9 +468,9 @@ class Service:
         self.check_count(len(blobs), self.settings.max_images_per_request, "images", "images")
         with self.reserve(model, "image", len(blobs)) as held:
             # Images are probed, decoded and preprocessed (validated) before either tower runs.
-            pixels = await self.pixel_rows(model, blobs, timings)
+            rows = await self.pixel_rows(model, blobs, timings)
             zlab = await self.label_embeddings(model, labels, templates, receive)
-            results = await self.run(model, "image", [{"pixel_values": p} for p in pixels], timings, receive,
+            results = await self.run(model, "image", rows, timings, receive,
                                      held=held, param="images")
         zimg = np.stack([r.outputs["image_embeds"].astype(np.float32) for r in results])
         t_post = time.perf_counter()
@@ -506,16 +509,21 @@ class Service:
             raise Unprocessable(f"a PNG of {len(blobs)} images x {drawn} layers x {slots} slots exceeds "
                                 f"{PNG_MAX_PIXELS} pixels; ask for fewer images, layers or slots", param="images")
         with self.reserve(model, ROUTING, len(blobs)) as held:
-            pixels = await self.pixel_rows(model, blobs, timings)
-            results = await self.run(model, ROUTING, [{"pixel_values": p} for p in pixels], timings, receive,
+            rows = await self.pixel_rows(model, blobs, timings)
+            results = await self.run(model, ROUTING, rows, timings, receive,
                                      held=held, param="images")
         t_post = time.perf_counter()
         outputs = [r.outputs for r in results]
         top = [self._top1(model, out) for out in outputs]
         if fmt == "png":
             captions = [f"pred {t['label']} ({t['score']:.2f})" if t else "" for t in top]
-            body = await asyncio.to_thread(routing_lib.render_png, layout, pixels, outputs,
-                                           model.preprocess.value_range, layers, slots, captions)
+            cfg = model.preprocess
+
+            def render() -> bytes:
+                pixels = [to_pixel_values(r[PIXELS], cfg) if PIXELS in r else r["pixel_values"] for r in rows]
+                return routing_lib.render_png(layout, pixels, outputs, cfg.value_range, layers, slots, captions)
+
+            body = await asyncio.to_thread(render)
         else:
             per_image = await asyncio.to_thread(lambda: [routing_lib.image_routing(layout, o, layers) for o in outputs])
             body = {"model": model.name, "grid": [layout.grid, layout.grid], "tokens": layout.tokens,

@@ -103,6 +103,13 @@ class Settings(BaseSettings):
     pinned_staging: bool = Field(
         True, description="torch on cuda: stage inputs and outputs in pinned host buffers, async copies on the backend's own stream",
     )
+    pixel_transfer: Literal["float32", "uint8"] = Field(
+        "float32",
+        description="how image rows reach the backend; uint8 (torch backend only): resized RGB bytes, mapped to the "
+        "model's value range on the backend's device by a table lookup (bitwise the float32 path's values, a "
+        "quarter of the bytes to stage and copy); the OIP image input is then 'pixels' UINT8 [N, S, S, 3] "
+        "in place of 'pixel_values' FP32",
+    )
     ort_cuda_graph: bool = Field(
         False, description="onnxruntime on cuda: CUDA-graph mode with I/O binding, every batch padded to max_batch_size",
     )

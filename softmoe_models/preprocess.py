@@ -46,10 +46,23 @@ class PreprocessConfig:
 
 def to_pixel_values(rgb_u8: np.ndarray, cfg: PreprocessConfig) -> np.ndarray:
     """``(H, W, 3)`` uint8 at the model's size -> ``(3, H, W)`` float32 in ``value_range``."""
-    lo, hi = cfg.value_range
-    x = rgb_u8.astype(np.float32) / np.float32(255.0)
-    x = np.float32(lo) + np.float32(hi - lo) * x
-    return np.ascontiguousarray(x.transpose(2, 0, 1))
+    return np.ascontiguousarray(_affine(rgb_u8, cfg.value_range).transpose(2, 0, 1))
+
+
+def pixel_table(value_range: tuple[float, float]) -> np.ndarray:
+    """The 256 float32 values ``to_pixel_values`` maps uint8 0..255 to, computed by the same code.
+
+    Looking a uint8 pixel up in this table is bitwise the value ``to_pixel_values`` gives it on any
+    device: a gather, no floating-point arithmetic (which a device may contract into an FMA or turn
+    into a multiplication by the reciprocal). The torch backend's uint8 transfer uses it.
+    """
+    return _affine(np.arange(256, dtype=np.uint8), value_range)
+
+
+def _affine(u8: np.ndarray, value_range: tuple[float, float]) -> np.ndarray:
+    lo, hi = value_range
+    x = u8.astype(np.float32) / np.float32(255.0)
+    return np.float32(lo) + np.float32(hi - lo) * x
 
 
 def resize_image(image: "PIL.Image.Image", cfg: PreprocessConfig) -> "PIL.Image.Image":  # noqa: F821
@@ -79,6 +92,12 @@ def resize_image(image: "PIL.Image.Image", cfg: PreprocessConfig) -> "PIL.Image.
 
 def preprocess_image(image: "PIL.Image.Image", cfg: PreprocessConfig) -> np.ndarray:  # noqa: F821
     """A decoded PIL image in any mode -> ``(3, S, S)`` float32 pixel values."""
+    return to_pixel_values(model_rgb(image, cfg), cfg)
+
+
+def model_rgb(image: "PIL.Image.Image", cfg: PreprocessConfig) -> np.ndarray:  # noqa: F821
+    """A decoded PIL image in any mode -> ``(S, S, 3)`` uint8 RGB at the model's size (resized, not
+    yet mapped to ``value_range``)."""
     if image.mode != "RGB":
         image = image.convert("RGB")
-    return to_pixel_values(np.asarray(resize_image(image, cfg)), cfg)
+    return np.asarray(resize_image(image, cfg))

@@ -3,6 +3,7 @@
 Functions (the same names on every backend):
     classify:  pixel_values (B, 3, S, S) float32 -> logits (B, K), pre_logits (B, D)
     image:     pixel_values (B, 3, S, S) float32 -> image_embeds (B, D), L2-normalised
+               (uint8 transfer, torch: ``pixels`` (B, S, S, 3) uint8 RGB in place of pixel_values)
     text:      input_ids (B, L) int64            -> text_embeds (B, D), L2-normalised
     encoder:   inputs_embeds (B, T, E) float32    -> hidden (B, H)
 
@@ -36,6 +37,7 @@ class FunctionSpec:
 
 
 ROUTING = "routing"
+PIXELS = "pixels"  # uint8 transfer: (S, S, 3) uint8 RGB rows in place of pixel_values (torch backend)
 
 
 class Backend(Protocol):

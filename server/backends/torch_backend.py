@@ -4,12 +4,15 @@ On CUDA: the device is checked (torch's CUDA build, a visible device, every para
 really on it), weights are read straight onto it in the compute precision, LayerNorm and every
 softmax run in fp32 under fp16/bf16, TF32 and autotuning are off, and calls run on the backend's own
 stream through pinned host buffers, replaying one CUDA graph per padded batch shape (both
-switchable). A CUDA error that poisons the context is raised as ``FatalBackendError``; an
+switchable). With ``pixel_transfer="uint8"`` image functions take the resized uint8 RGB rows
+(``pixels``, a quarter of float32's bytes to stage and copy) and map them to the model's value
+range on the device, bitwise as the host would. A CUDA error that poisons the context is raised as ``FatalBackendError``; an
 out-of-memory error propagates as ``torch.cuda.OutOfMemoryError``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +20,12 @@ import torch
 from torch import nn
 
 from export.graphs import graphs_for
-from softmoe_models.package import load_model
+from softmoe_models.package import load_model, read_package
+from softmoe_models.preprocess import pixel_table
 from softmoe_models.soft_moe import configure_routing
 
 from ..batching.batcher import FatalBackendError
-from .base import ROUTING, Rows, all_functions, routing_spec, specs_from_graphs, warm
+from .base import PIXELS, ROUTING, FunctionSpec, InputSpec, Rows, all_functions, routing_spec, specs_from_graphs, warm
 from .cuda import (
     TorchCudaRunner, check_module_device, configure_torch_determinism, is_sticky_cuda_error, require_torch_cuda,
     resolve_precision,
@@ -44,15 +48,22 @@ class TorchBackend:
         cuda_graphs: on CUDA, capture one CUDA graph per padded batch shape and replay it.
         pinned_staging: on CUDA, copy through pinned host buffers with async copies.
         routing: offer the routing function (``export.graphs.RoutingGraph``, the same module).
+        pixel_transfer: float32 (image functions take ``pixel_values``, NCHW in the model's value
+            range) or uint8 (they take ``pixels``, NHWC uint8 RGB at the model's size, mapped to the
+            value range on the backend's device by ``Uint8Pixels``).
+        value_range: the model's pixel value range, for uint8 transfer (default: the package's).
     """
 
     name = "torch"
 
     def __init__(self, package: str | Path | nn.Module, *, device: str = "cpu", precision: str = "fp32",
                  max_batch_size: int = 8, threads: int = 0, cuda_graphs: bool = True,
-                 pinned_staging: bool = True, routing: bool = True) -> None:
+                 pinned_staging: bool = True, routing: bool = True, pixel_transfer: str = "float32",
+                 value_range: tuple[float, float] | None = None) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {device!r}: use cpu or cuda")
+        if pixel_transfer not in ("float32", "uint8"):
+            raise ValueError(f"unknown pixel_transfer {pixel_transfer!r}: use float32 or uint8")
         if threads:
             torch.set_num_threads(threads)
         self.precision = resolve_precision("torch", device, precision)
@@ -72,6 +83,20 @@ class TorchBackend:
                          "text": graphs.get("text"), "encoder": graphs.get("encoder"), ROUTING: graphs.get(ROUTING)}
         self.functions = specs_from_graphs(graphs)
         self.routing = routing_spec(graphs) if routing else None
+        self.pixel_transfer = pixel_transfer
+        if pixel_transfer == "uint8":
+            if value_range is None:
+                if isinstance(package, nn.Module):
+                    raise ValueError("uint8 pixel transfer of a module needs its value_range")
+                value_range = read_package(package).preprocess.value_range
+            table = torch.from_numpy(pixel_table(value_range)).to(self.device)
+            for fn in ("classify", "image", ROUTING):
+                if self._modules[fn] is not None and (fn != ROUTING or self.routing is not None):
+                    g = self._modules[fn]
+                    self._modules[fn] = dataclasses.replace(g, module=Uint8Pixels(g.module, table))
+            self.functions = {fn: _uint8_spec(spec) if fn in ("classify", "image") else spec
+                              for fn, spec in self.functions.items()}
+            self.routing = _uint8_spec(self.routing) if self.routing is not None else None
         self._specs = all_functions(self)
         self._outputs = {fn: spec.outputs for fn, spec in self._specs.items()}
         self._cuda = (TorchCudaRunner(self.device, max_batch_size, cuda_graphs=cuda_graphs, pinned=pinned_staging)
@@ -109,6 +134,8 @@ class TorchBackend:
         param = next(self.model.parameters())
         out = {"backend": "torch", "device": str(param.device), "precision": self.precision,
                "dtype": str(param.dtype).removeprefix("torch."), "torch": torch.__version__}
+        if any(fn in self.functions for fn in ("classify", "image")):
+            out["pixel_transfer"] = self.pixel_transfer
         if self._cuda is not None:
             out.update(gpu=torch.cuda.get_device_name(self.device), cuda=torch.version.cuda,
                        cuda_graphs=self._cuda.cuda_graphs, pinned_staging=self._cuda.pinned)
@@ -120,3 +147,29 @@ class TorchBackend:
         if self._cuda is not None:
             self._cuda.close()
         self.model = None
+
+
+class Uint8Pixels(nn.Module):
+    """``(N, S, S, 3)`` uint8 RGB -> ``inner``'s float32 NCHW ``pixel_values``, on the module's device.
+
+    Each value is looked up in the model's ``pixel_table``: a gather, so the float32 pixel values
+    are bitwise the ones the host's ``to_pixel_values`` computes (no device arithmetic that could
+    round differently), laid out contiguous NCHW as the host path's are.
+    """
+
+    def __init__(self, inner: nn.Module, table: torch.Tensor) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, pixels: torch.Tensor):
+        index = pixels.permute(0, 3, 1, 2).contiguous().int()
+        values = self.table.index_select(0, index.view(-1)).view(index.shape)
+        return self.inner(values)
+
+
+def _uint8_spec(spec: FunctionSpec) -> FunctionSpec:
+    """``spec`` with its ``pixel_values`` (3, S, S) float32 input replaced by ``pixels`` (S, S, 3) uint8."""
+    inputs = tuple(InputSpec(PIXELS, (s.shape[1], s.shape[2], s.shape[0]), np.dtype(np.uint8))
+                   if s.name == "pixel_values" else s for s in spec.inputs)
+    return FunctionSpec(inputs, spec.outputs)

@@ -2,7 +2,8 @@
 
 Tensors: ``pixel_values`` (FP32, NCHW, the model's input range) -> ``logits`` (+ ``pre_logits``)
 for classifiers; two-tower ``pixel_values`` -> ``image_embeds``, ``input_ids`` (INT32 or INT64)
--> ``text_embeds``. Each row goes through the batcher on its own, so OIP requests get the same
+-> ``text_embeds``. With ``--pixel-transfer uint8`` the image input is ``pixels`` (UINT8, NHWC RGB
+at the model's size) instead. Each row goes through the batcher on its own, so OIP requests get the same
 batching and determinism as the /v1 endpoints.
 """
 
@@ -34,12 +35,20 @@ DTYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT32": n
 OIP_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 BINARY_HEADER = "inference-header-content-length"
 
-# input name -> (function, accepted datatypes) per model kind
+# input name -> (function, accepted datatypes) per model kind; a model takes those of its backend's
+# functions' inputs (``pixels``: --pixel-transfer uint8, in place of ``pixel_values``)
 _INPUTS = {
-    "classifier": {"pixel_values": ("classify", ("FP32",))},
-    "two-tower": {"pixel_values": ("image", ("FP32",)), "input_ids": ("text", ("INT32", "INT64"))},
+    "classifier": {"pixel_values": ("classify", ("FP32",)), "pixels": ("classify", ("UINT8",))},
+    "two-tower": {"pixel_values": ("image", ("FP32",)), "pixels": ("image", ("UINT8",)),
+                  "input_ids": ("text", ("INT32", "INT64"))},
     "encoder": {"inputs_embeds": ("encoder", ("FP32",))},
 }
+
+
+def _accepted(model) -> dict[str, tuple[str, tuple[str, ...]]]:
+    functions = model.backend.functions
+    return {name: (fn, types) for name, (fn, types) in _INPUTS.get(model.kind, {}).items()
+            if fn in functions and any(s.name == name for s in functions[fn].inputs)}
 
 
 def _model(request: Request, name: str, version: str | None = None):
@@ -202,7 +211,12 @@ def _array(t, binary: bytes, offset: int, limit: int) -> tuple[np.ndarray, int]:
     if t.data is None:
         raise BadRequest(f"input {t.name!r} has no data", param=t.name)
     try:
-        arr = np.asarray(t.data, dtype=dtype)
+        arr = np.asarray(t.data)
+        if np.dtype(dtype).kind in "iu" and arr.size:  # integers stay integers: no 1.5 -> 1, no 300 -> 44
+            info = np.iinfo(dtype)
+            if arr.dtype.kind not in "iu" or arr.min() < info.min or arr.max() > info.max:
+                raise ValueError
+        arr = arr.astype(dtype)
     except (ValueError, TypeError, OverflowError):
         raise BadRequest(f"input {t.name!r}: data is not a {t.datatype} array", param=t.name) from None
     if arr.size != count:
@@ -212,7 +226,7 @@ def _array(t, binary: bytes, offset: int, limit: int) -> tuple[np.ndarray, int]:
 
 def _tensors_in(model, req: OIPInferRequest, binary: bytes, settings) -> list[tuple[str, str, np.ndarray]]:
     """Every input checked and converted (off the event loop): (function, name, array)."""
-    accepted = _INPUTS.get(model.kind, {})
+    accepted = _accepted(model)
     if not req.inputs:
         raise Unprocessable("no inputs given", param="inputs")
     out, offset, seen = [], 0, set()
@@ -234,7 +248,7 @@ def _tensors_in(model, req: OIPInferRequest, binary: bytes, settings) -> list[tu
         if fn == "text":
             if ((arr < 0) | (arr >= _vocab(model))).any():
                 raise BadRequest(f"input_ids must be in [0, {_vocab(model)})", param=t.name)
-        elif not np.isfinite(arr).all() or np.abs(arr).max() > PIXEL_RANGE:
+        elif arr.dtype.kind == "f" and (not np.isfinite(arr).all() or np.abs(arr).max() > PIXEL_RANGE):
             raise BadRequest(f"input {t.name!r} must hold finite values in [-{PIXEL_RANGE:g}, {PIXEL_RANGE:g}] "
                              "(preprocessed pixels)", param=t.name)
         out.append((fn, t.name, np.ascontiguousarray(arr, dtype=spec.dtype)))

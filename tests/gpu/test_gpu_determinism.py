@@ -1,7 +1,7 @@
 """Bitwise determinism on the GPU at the server's fixed batch shape: the same image at every slot
 among different batch-mates (torch eager, torch CUDA graph, ONNX Runtime CUDA), the same bytes
-from a second process, CUDA graph replay == eager, pinned == pageable; sticky CUDA errors are
-fatal, out-of-memory is not."""
+from a second process, CUDA graph replay == eager, pinned == pageable, uint8 transfer == float32;
+sticky CUDA errors are fatal, out-of-memory is not."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from loadtests.gpu_check import (
     BATCH, DIGITS, ROOT, digest_in_subprocess, midsize_inputs, ort_backend, ort_cuda_available, outputs_equal, run_fixed,
-    second_process_digest, slot_invariance, torch_backend,
+    second_process_digest, slot_invariance, torch_backend, uint8_equals_float32,
 )
 
 from gpu_fixtures import cache_dir, cpu_reference, heldout_set, midsize  # noqa: F401 - fixtures
@@ -72,6 +72,12 @@ def test_one_graph_per_warmed_shape_and_smaller_batches_padded(midsize):
     full = backend.run("classify", {"pixel_values": padded})
     assert backend._cuda.captured_sizes("classify") == [1, BATCH]  # nothing captured on the request path
     assert all(three[k].tobytes() == full[k][:3].tobytes() for k in full)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graph"])
+def test_uint8_transfer_equals_float32(graphs, midsize):
+    images = np.random.default_rng(4).integers(0, 256, (12, 224, 224, 3)).astype(np.uint8)
+    assert uint8_equals_float32(midsize, images, cuda_graphs=graphs)["bitwise"]
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graph"])
