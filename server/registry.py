@@ -203,7 +203,8 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
         return TorchBackend(path, device=settings.device, precision=precision,
                             max_batch_size=settings.max_batch_size, threads=settings.threads,
                             cuda_graphs=settings.cuda_graphs, pinned_staging=settings.pinned_staging,
-                            routing=settings.routing, pixel_transfer=settings.pixel_transfer)
+                            routing=settings.routing, pixel_transfer=settings.pixel_transfer,
+                            batch_invariant=settings.strict_determinism and settings.proven_shapes)
     if settings.backend == "onnxruntime":
         from .backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
 

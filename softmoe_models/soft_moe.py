@@ -77,6 +77,11 @@ class SoftMoE(nn.Module):
         self.fused = fused
         self.bf16_dispatch = bf16_dispatch
         self.experts_form: ExpertsForm = "batched"
+        # The expert GEMMs run on at least this many rows (zero rows pad the rest, their outputs
+        # dropped): on CPU, a GEMM of fewer than 4 rows takes a small-M kernel whose rows differ in
+        # the last bit from the same rows in a larger GEMM. 0: no padding (exports). See
+        # set_batch_invariant.
+        self.min_expert_rows = 0
         self.capture = False  # when True, keep the last call's routing internals in .internals
         self.internals: dict[str, torch.Tensor] = {}
         # Router (vmoe names: Router/mu, Router/scale).
@@ -167,6 +172,9 @@ class SoftMoE(nn.Module):
         """``(B, n, p, d) -> (B, n, p, d)``: expert e applied to its p slots of every sequence."""
         b, n, p, d = xs.shape
         per_expert = xs.transpose(0, 1).reshape(n, b * p, d)  # (n, B*p, d)
+        rows = b * p
+        if rows < self.min_expert_rows:
+            per_expert = F.pad(per_expert, (0, 0, 0, self.min_expert_rows - rows))
         if self.experts_form == "per_expert":
             outs = []
             for e in range(n):  # export-only form: ONNX Runtime prepacks constant 2-D MatMuls
@@ -177,7 +185,9 @@ class SoftMoE(nn.Module):
             h = torch.baddbmm(self.b1.unsqueeze(1), per_expert, self.w1)  # (n, B*p, M)
             h = F.gelu(h, approximate="tanh")
             y = torch.baddbmm(self.b2.unsqueeze(1), h, self.w2)  # (n, B*p, d)
-        return y.view(n, b, p, d).transpose(0, 1)
+        if rows < self.min_expert_rows:
+            y = y[:, :rows]
+        return y.reshape(n, b, p, d).transpose(0, 1)
 
 
 def soft_moe_layers(model: nn.Module) -> list[SoftMoE]:

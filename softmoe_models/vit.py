@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .config import ViTConfig
@@ -41,6 +44,10 @@ class VisionTransformer(nn.Module):
         # VALID patches, as flax nn.Conv and transformers' SigLIP: a side that is not a multiple of the
         # patch drops its last image_size % patch_size pixels (grid = image_size // patch_size).
         self.patch_embed = nn.Conv2d(cfg.in_channels, d, cfg.patch_size, stride=cfg.patch_size)
+        # "conv": the Conv2d (what exports carry); "matmul": the same weights as one GEMM over the
+        # flattened patches, whose per-image result does not depend on the batch size on CPU (the
+        # oneDNN convolution picks another algorithm for a batch of one). See set_batch_invariant.
+        self.patch_form: Literal["conv", "matmul"] = "conv"
         self.cls_token = nn.Parameter(torch.zeros(1, 1, d)) if cfg.classifier == "token" else None
         self.encoder = Encoder(enc, cfg.num_tokens)
         self.map_head = (
@@ -57,10 +64,23 @@ class VisionTransformer(nn.Module):
 
     def tokens(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Patch tokens ``(B, N, D)``, row-major over the patch grid."""
-        x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)
+        if self.patch_form == "matmul":
+            x = self._patch_matmul(pixel_values)
+        else:
+            x = self.patch_embed(pixel_values).flatten(2).transpose(1, 2)
         if self.cls_token is not None:
             x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1)
         return x
+
+    def _patch_matmul(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The patch convolution as ``(B, N, C*p*p) @ W^T + b``: VALID patches, row-major."""
+        b, c, h, w = pixel_values.shape
+        p = self.cfg.patch_size
+        gh, gw = h // p, w // p
+        x = pixel_values[:, :, :gh * p, :gw * p].reshape(b, c, gh, p, gw, p)
+        x = x.permute(0, 2, 4, 1, 3, 5).reshape(b, gh * gw, c * p * p)
+        weight = self.patch_embed.weight
+        return F.linear(x, weight.reshape(weight.shape[0], -1), self.patch_embed.bias)
 
     def forward_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The pooled representation (vmoe ``pre_logits``), ``(B, feature_dim)``."""

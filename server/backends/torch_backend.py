@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from export.graphs import graphs_for
+from softmoe_models.batch_invariance import set_batch_invariant
 from softmoe_models.package import load_model, read_package
 from softmoe_models.preprocess import pixel_table
 from softmoe_models.soft_moe import configure_routing
@@ -52,6 +53,9 @@ class TorchBackend:
             range) or uint8 (they take ``pixels``, NHWC uint8 RGB at the model's size, mapped to the
             value range on the backend's device by ``Uint8Pixels``).
         value_range: the model's pixel value range, for uint8 transfer (default: the package's).
+        batch_invariant: on CPU, run the batch-invariant forms of the layers
+            (``softmoe_models.batch_invariance``: an image's outputs the same bits at every batch
+            size, so strict mode can prove padded shapes of 1 and 2). Ignored on CUDA.
     """
 
     name = "torch"
@@ -59,7 +63,7 @@ class TorchBackend:
     def __init__(self, package: str | Path | nn.Module, *, device: str = "cpu", precision: str = "fp32",
                  max_batch_size: int = 8, threads: int = 0, cuda_graphs: bool = True,
                  pinned_staging: bool = True, routing: bool = True, pixel_transfer: str = "float32",
-                 value_range: tuple[float, float] | None = None) -> None:
+                 value_range: tuple[float, float] | None = None, batch_invariant: bool = False) -> None:
         if device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {device!r}: use cpu or cuda")
         if pixel_transfer not in ("float32", "uint8"):
@@ -77,6 +81,8 @@ class TorchBackend:
         else:
             self.model = load_model(package, device=self.device, dtype=None if dtype == torch.float32 else dtype)
         configure_routing(self.model, experts_form="batched")  # one batched GEMM pair, never a loop
+        self.batch_invariant = batch_invariant and self.device.type == "cpu"
+        set_batch_invariant(self.model, self.batch_invariant)
         check_module_device(self.model, self.device)
         graphs = graphs_for(self.model, dtype)
         self._modules = {"classify": graphs.get("classifier"), "image": graphs.get("image"),
@@ -140,7 +146,7 @@ class TorchBackend:
             out.update(gpu=torch.cuda.get_device_name(self.device), cuda=torch.version.cuda,
                        cuda_graphs=self._cuda.cuda_graphs, pinned_staging=self._cuda.pinned)
         else:
-            out["threads"] = torch.get_num_threads()
+            out.update(threads=torch.get_num_threads(), batch_invariant=self.batch_invariant)
         return out
 
     def close(self) -> None:
