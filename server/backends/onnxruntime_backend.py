@@ -33,6 +33,12 @@ def cache_root(cache_dir: str) -> Path:
 # 3: token means (gap pooling) as MatMuls, so batch shape 1 is provable (export/onnx.py).
 GRAPH_FORMAT = 3
 
+# Packages whose weights are at least this large are exported in a child process: exporting and
+# verifying soft-s16-e128 (3.5 GB) in the server's own process left it about 4 GB larger for
+# its whole life (the exporter's and verifier's buffers stay in the allocator's arenas). Smaller
+# ones are exported in-process: a child costs a few seconds of imports and saves nothing.
+EXPORT_IN_CHILD_BYTES = 256 << 20
+
 
 def exported_files(package: Path, cache_dir: str, precision: str, log=print, device: str = "cpu",
                    routing: bool = True) -> list[Path]:
@@ -68,7 +74,11 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     }
 
     def build(tmp: Path) -> list[str]:
-        log(f"exporting {package} to ONNX ({precision}, {experts} experts) and verifying it")
+        child = _weight_bytes(package) >= EXPORT_IN_CHILD_BYTES
+        log(f"exporting {package} to ONNX ({precision}, {experts} experts) and verifying it"
+            + (" in a child process" if child else ""))
+        if child:
+            return _export_in_child(package, tmp / "model.onnx", settings)
         detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
         files = export_onnx(package, tmp / "model.onnx", log=detail, **settings)  # raises unless verified
         return [f.path.name for f in files]
@@ -76,6 +86,48 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     entry = cache.build(cache_root(cache_dir) / "onnx", cache.cache_key(inputs), build, inputs=inputs, log=log)
     log(f"{'exported' if entry.built else 'reusing'} {entry.path} (hash-checked)")
     return [entry.files[name] for name in entry.meta if not name.endswith(".routing.onnx")]
+
+
+def _weight_bytes(package: Path) -> int:
+    return sum(f.stat().st_size for f in Path(package).glob("*.safetensors"))
+
+
+def _export_in_child(package: Path, out: Path, settings: dict) -> list[str]:
+    """``export_onnx`` in a child interpreter (``python -c``, not multiprocessing, which would
+    re-run an unguarded main script): its memory goes back to the OS when it exits. Returns the
+    file names it wrote; its failure, or its death (killed for memory), is one ``ExportError``."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from export.errors import ExportError
+
+    args = json.dumps({"package": str(package), "out": str(out), "settings": settings})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
+    r = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True, text=True,
+                       stdin=subprocess.DEVNULL, env=env)
+    if r.returncode == 0:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    lines = r.stderr.strip().splitlines()
+    why = lines[-1] if lines else ""
+    if r.returncode < 0 or not why:
+        why = f"the export process died (exit status {r.returncode}; out of memory?)"
+    raise ExportError(f"exporting {package} to ONNX: {why}")
+
+
+# The child's side: export, verify, print the file names as JSON; any error is its last stderr line.
+_CHILD = """
+import json, sys
+args = json.loads(sys.argv[1])
+try:
+    from export.onnx import export_onnx
+    files = export_onnx(args["package"], args["out"], log=lambda *a: None, **args["settings"])
+except Exception as e:
+    print(f"{type(e).__name__}: {' '.join(str(e).split())}"[:500], file=sys.stderr)
+    sys.exit(2)
+print(json.dumps([f.path.name for f in files]))
+"""
 
 
 class OnnxRuntimeBackend:
