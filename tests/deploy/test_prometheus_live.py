@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers.live import wait_until, free_port, live_server
+from helpers.live import free_port, live_server, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -137,12 +137,7 @@ def prometheus(tmp_path: Path, target: str):
             raise RuntimeError(f"{e}:\n{(tmp_path / 'prometheus.log').read_text()[-3000:]}") from None
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        stop_process(proc, 15)
         log.close()
 
 

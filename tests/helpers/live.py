@@ -49,3 +49,15 @@ def live_server(app, timeout: float = 120.0):
     finally:
         server.should_exit = True
         thread.join(60)
+
+
+def stop_process(proc, timeout: float = 30.0) -> None:
+    """SIGTERM ``proc`` (a subprocess.Popen) and wait; SIGKILL it if it has not exited in ``timeout``."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers.images import b64, golden_pngs, random_pngs
-from helpers.live import free_port, live_server, wait_until
+from helpers.live import free_port, live_server, stop_process, wait_until
 from server.app import create_app
 from server.backends.torch_backend import TorchBackend
 from server.settings import Settings
@@ -167,12 +167,7 @@ def test_split_front_ends_carry_uint8_rows(tmp_path):
                 assert want.status_code == 200 and got.content == want.content, (path, got.text)
         assert httpx.get(f"{url}/v2/models/digits").json()["inputs"][0]["name"] == "pixels"
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         log.close()
 
 
