@@ -193,8 +193,18 @@ def _scale_bias(package: Path) -> tuple[float, float]:
     return s, b
 
 
+def _check_pixel_transfer(settings: Settings) -> None:
+    if settings.pixel_transfer == "uint8" and settings.backend != "torch":
+        raise ModelLoadError(
+            f"--pixel-transfer uint8 maps pixels to the model's range inside the torch backend; --backend "
+            f"{settings.backend} takes float32 pixel_values (use --pixel-transfer float32 or --backend torch)"
+        )
+
+
 def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
     from .backends.cuda import resolve_precision
+
+    _check_pixel_transfer(settings)
 
     precision = resolve_precision(settings.backend, settings.device, settings.precision)
     if settings.backend == "torch":
@@ -227,6 +237,7 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
 
     if settings.backend != "onnxruntime":
         raise ModelLoadError(f"{path}: an .onnx file is served with --backend onnxruntime")
+    _check_pixel_transfer(settings)
     meta = read_metadata(path)
     if not meta.get("graph"):
         raise ModelLoadError(f"{path}: not exported by `softmoe export onnx` (no softmoe.* metadata)")

@@ -135,11 +135,6 @@ def check_backend(settings: Settings) -> None:
             import_tensorrt()
         except Exception as e:  # MissingExtraError names the extra
             raise StartupError(f"--backend tensorrt: {describe(e)}") from None
-    if settings.pixel_transfer == "uint8" and settings.backend != "torch":
-        raise StartupError(
-            f"--pixel-transfer uint8 maps pixels to the model's range inside the torch backend; --backend "
-            f"{settings.backend} takes float32 pixel_values (use --pixel-transfer float32 or --backend torch)"
-        )
     if settings.decode_device == "cuda":
         from server.pipeline.gpu_decode import GpuDecodeUnavailable, open_decoder
 

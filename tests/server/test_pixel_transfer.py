@@ -171,9 +171,14 @@ def test_split_front_ends_carry_uint8_rows(tmp_path):
         log.close()
 
 
-def test_refused_where_the_backend_takes_float_rows():
+def test_refused_where_the_backend_takes_float_rows(packages):
     from test_cli import one_error_line, softmoe
 
     r = softmoe("serve", "--backend", "onnxruntime", "--pixel-transfer", "uint8", "--port", "0")
     line = one_error_line(r)
     assert "--pixel-transfer uint8" in line and "onnxruntime" in line, line
+    # The library path too (create_app loads models without the CLI's checks).
+    from server.registry import ModelLoadError, load_served_model
+
+    with pytest.raises(ModelLoadError, match="--pixel-transfer uint8"):
+        load_served_model(str(packages["golden"]), Settings(backend="onnxruntime", pixel_transfer="uint8"))
