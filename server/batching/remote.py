@@ -34,8 +34,8 @@ from typing import Any
 
 from ..errors import QueueFull, Unavailable
 from .batcher import ModelQueue, Result, Rows
-from .engine import (CANCEL, ERROR, FREED, HELLO, RESULT, STATE, SUBMIT, WELCOME, AdmissionTable, Arena, Link,
-                     unpack_error)
+from .engine import CANCEL, ERROR, FREED, HELLO, RESULT, STATE, SUBMIT, WELCOME, Link, unpack_error
+from .shm import AdmissionTable, Arena
 
 log = logging.getLogger("softmoe.frontend")
 

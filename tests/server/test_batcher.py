@@ -10,104 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
 from server.batching.batcher import Batcher, FatalBackendError, ModelQueue, Result
-from server.errors import BackendFailure, DeadlineExceeded, InferenceFailed, QueueFull, ServiceError, Unavailable
+from server.errors import BackendFailure, DeadlineExceeded, InferenceFailed, QueueFull, Unavailable
 from server.metrics import Metrics
 
-HANG = 5.0  # seconds: only to turn a hang into a failure
-D = 3  # features per row
-
-
-class FakeFn:
-    """``{"y": x * 2}``, recording each call's rows; optionally held on a gate or failing."""
-
-    def __init__(self, name: str = "fn", gate: threading.Event | None = None, fail=None, log: list | None = None):
-        self.name = name
-        self.gate = gate
-        self.fail = fail  # callable(rows) -> exception to raise, or None
-        self.calls: list[dict[str, np.ndarray]] = []
-        self.entered = threading.Event()
-        self.log = log  # shared across fns: the order of calls between queues
-
-    def __call__(self, rows):
-        self.calls.append({k: v.copy() for k, v in rows.items()})
-        if self.log is not None:
-            self.log.append(self.name)
-        self.entered.set()
-        if self.gate is not None:
-            assert self.gate.wait(HANG), "the test never released the gate"
-        if self.fail is not None:
-            exc = self.fail(rows)
-            if exc is not None:
-                raise exc
-        return {"y": rows["x"] * 2}
-
-    @property
-    def shapes(self) -> list[tuple[int, ...]]:
-        return [c["x"].shape for c in self.calls]
-
-    def seen(self) -> list[float]:
-        """First feature of every row that reached the backend (padding included)."""
-        return [float(v) for c in self.calls for v in c["x"][:, 0]]
-
-
-def row(v: float) -> dict[str, np.ndarray]:
-    return {"x": np.array([v, v + 0.25, v + 0.5], dtype=np.float32)}
-
-
-@pytest.fixture
-def make():
-    """Build a batcher (+ queues); every batcher built is released and stopped at teardown."""
-    made: list[tuple[Batcher, list[threading.Event]]] = []
-
-    def build(*fns, max_batch_size=4, max_delay_s=0.01, max_queue=64, pad=False, metrics=None, labels=None, eager=False):
-        b = Batcher("cpu", metrics)
-        queues = []
-        for i, fn in enumerate(fns):
-            label = labels[i] if labels else f"m{i}"
-            queues.append(b.add_queue(ModelQueue(
-                f"{label}/fn", label, fn, max_batch_size=max_batch_size, max_delay_s=max_delay_s,
-                max_queue=max_queue, pad=pad, metrics=metrics, eager=eager,
-            )))
-        made.append((b, [f.gate for f in fns if getattr(f, "gate", None) is not None]))
-        return (b, *queues)
-
-    yield build
-    for b, gates in made:
-        for g in gates:
-            g.set()
-        b.stop(timeout=HANG)
-        assert not b._thread.is_alive(), "worker thread did not exit"
-
-
-async def wait_event(ev: threading.Event, timeout: float = HANG) -> None:
-    end = time.monotonic() + timeout
-    while not ev.is_set():
-        if time.monotonic() > end:
-            raise AssertionError("timed out waiting for the backend to be entered")
-        await asyncio.sleep(0.001)
-
-
-async def outcome(fut: asyncio.Future):
-    """The future's Result, or the exception it raised."""
-    try:
-        return await asyncio.wait_for(fut, HANG)
-    except ServiceError as e:
-        return e
-
-
-def gauge(metrics: Metrics, label: str) -> float:
-    return metrics.queue_depth.labels(label)._value.get()
-
-
-def counter(metrics: Metrics, label: str, reason: str) -> float:
-    return metrics.rejected.labels(label, reason)._value.get()
+from helpers.batching import D, HANG, FakeFn, counter, gauge, make, outcome, row, wait_event  # noqa: F401 - make: a fixture
 
 
 # ---------------------------------------------------------------------------------------- (a)
@@ -627,93 +539,3 @@ def test_backend_returning_too_few_rows_fails_its_items_and_keeps_the_worker():
     assert all(not isinstance(o, BaseException) for o in outcomes)
     assert np.array_equal(later.outputs["y"], np.full(3, 2.0, np.float32))
     assert dead is None
-
-
-# ---------------------------------------------------------------- eager batching (--eager-batching)
-
-
-def _eager(make, pad: bool = False):
-    """A started batcher with one eager queue whose window (60 s) never runs out in a test."""
-    fn = FakeFn()
-    b, q = make(fn, max_batch_size=4, max_delay_s=60.0, pad=pad, eager=True)
-    b.start()
-    return fn, b, q
-
-
-@pytest.mark.parametrize("pad", [False, True])
-def test_eager_lone_item_runs_at_once(make, pad):
-    """Nothing else admitted: an idle worker does not sit out a 60 s max_delay."""
-    fn, b, q = _eager(make, pad)
-
-    async def main():
-        return await asyncio.wait_for(b.submit(q, row(1.0), 120), HANG)
-
-    asyncio.run(main())
-    assert b.calls == 1 and fn.shapes[0][0] == (4 if pad else 1)
-
-
-def test_eager_waits_for_admitted_items_still_decoding(make):
-    """Three requests admitted (places reserved); the first to finish decoding waits for the others."""
-    fn, b, q = _eager(make)
-
-    async def main():
-        b.reserve(q, 3)
-        first = b.submit(q, row(0.0), 120, reserved=True)
-        await asyncio.sleep(0.3)  # decoding the others: the first must not run alone meanwhile
-        assert b.calls == 0 and not first.done()
-        rest = [b.submit(q, row(float(i)), 120, reserved=True) for i in (1, 2)]
-        return await asyncio.wait_for(asyncio.gather(first, *rest), HANG)
-
-    asyncio.run(main())
-    assert fn.shapes == [(3, D)] and b.calls == 1
-
-
-def test_eager_released_places_let_the_worker_go(make):
-    """A request that fails before submitting gives its places back; what is queued then runs."""
-    fn, b, q = _eager(make)
-
-    async def main():
-        b.reserve(q, 2)
-        fut = b.submit(q, row(0.0), 120, reserved=True)
-        await asyncio.sleep(0.2)
-        assert not fut.done()
-        b.release(q, 1)
-        return await asyncio.wait_for(fut, HANG)
-
-    asyncio.run(main())
-    assert fn.shapes == [(1, D)]
-
-
-def test_without_eager_a_lone_item_waits_for_max_delay(make):
-    """The classic policy, kept for --no-eager-batching: a lone item waits for its window (60 s
-    here) or a full batch, whichever comes first."""
-    fn = FakeFn()
-    b, q = make(fn, max_batch_size=2, max_delay_s=60.0)
-    b.start()
-
-    async def main():
-        first = b.submit(q, row(0.0), 120)
-        await asyncio.sleep(0.3)
-        assert b.calls == 0 and not first.done()
-        return await asyncio.wait_for(asyncio.gather(first, b.submit(q, row(1.0), 120)), HANG)
-
-    asyncio.run(main())
-    assert fn.shapes == [(2, D)]
-
-
-def test_engine_counts_what_the_front_ends_will_still_send():
-    """--frontend-workers: the engine's eager queues read the front ends' reserved places and items
-    in transit from the shared admission table."""
-    import multiprocessing
-
-    from server.batching.engine import AdmissionTable
-
-    table = AdmissionTable.create(multiprocessing.Lock(), queues=2, frontends=2)
-    try:
-        assert table.coming(0) == table.coming(1) == 0
-        table.reserved[0, 1] = 2
-        table.sent[0, 0] = 1
-        table.queued[1] = 5  # already in the engine's queue: not coming
-        assert (table.coming(0), table.coming(1)) == (3, 0)
-    finally:
-        table.close(unlink=True)

@@ -198,7 +198,7 @@ def test_service_errors_cross_the_boundary():
 def test_arena_slots_hold_rows_of_every_queue():
     from multiprocessing import shared_memory
 
-    from server.batching.engine import Arena
+    from server.batching.shm import Arena
 
     queues = [{"inputs": [("pixel_values", (3, 8, 8), "<f4")]}, {"inputs": [("input_ids", (16,), "<i8")]}]
     slots, size = Arena.size_for(queues)
