@@ -22,6 +22,9 @@ automake-style harnesses). With one:
    the largest batch that fits; eager vs CUDA graph, pinned vs pageable, uint8 vs float32 transfer,
    side by side in one run.
 
+``SOFTMOE_GPU_CHECK_DEVICE=cpu`` runs the same code on the CPU (a dry run that checks nothing
+about a GPU: the test suite uses it so this script cannot rot between the days a GPU is lent).
+
 Exit status: 0 when every check that ran passed (timings never fail it), 1 otherwise, 77 without
 CUDA, 2 when torch is not importable. The whole run stays inside ``--budget-s`` (default 540 s: the
 target is 10 minutes on one H100); sections that no longer fit are reported as skipped.
@@ -48,6 +51,11 @@ DIGITS = ROOT / "server" / "default_models" / "digits"
 EXIT_SKIP = 77
 CACHE_ENV = "SOFTMOE_GPU_CHECK_CACHE"  # tests/gpu reuse gpu-check's export cache through this
 BATCH = 8  # the server's default max_batch_size: the fixed shape of strict determinism
+# cpu: a dry run of this check's own code on the CPU (tests/loadtests/test_gpu_check.py), so it
+# cannot rot between the rare days a GPU is lent; it checks nothing about a GPU. Read from the
+# environment so the second-process check's child runs the same way.
+DRY_RUN_ENV = "SOFTMOE_GPU_CHECK_DEVICE"
+DEVICE = os.environ.get(DRY_RUN_ENV, "cuda")
 PRECISIONS = ("fp32", "fp16", "bf16")
 
 
@@ -122,7 +130,7 @@ def heldout() -> tuple[np.ndarray, np.ndarray]:
     return held.pixels, held.targets
 
 
-def midsize_model(device: str = "cuda", precision: str = "auto", seed: int = 0):
+def midsize_model(device: str = DEVICE, precision: str = "auto", seed: int = 0):
     """A random Soft MoE S/16 at 224x224 (4 blocks, 128 experts in the last 2): real GEMM shapes,
     seconds to build. Initialised on the CPU from ``seed``, so every process builds the same bits."""
     import dataclasses
@@ -146,7 +154,7 @@ def midsize_model(device: str = "cuda", precision: str = "auto", seed: int = 0):
     return model
 
 
-def torch_backend(source, precision: str = "auto", device: str = "cuda", **kwargs):
+def torch_backend(source, precision: str = "auto", device: str = DEVICE, **kwargs):
     from server.backends.torch_backend import TorchBackend
 
     return TorchBackend(source, device=device, precision=precision, max_batch_size=kwargs.pop("max_batch_size", BATCH), **kwargs)
@@ -223,7 +231,7 @@ def slot_invariance(backend, target: np.ndarray, pool: np.ndarray, batch: int = 
     return {"bitwise": bool(bitwise), "positions": batch, "max_abs_diff": diff}
 
 
-def uint8_equals_float32(source, images: np.ndarray, device: str = "cuda", **kwargs) -> dict[str, Any]:
+def uint8_equals_float32(source, images: np.ndarray, device: str = DEVICE, **kwargs) -> dict[str, Any]:
     """``--pixel-transfer uint8`` against float32 on the same images ((N, S, S, 3) uint8): the torch
     backend's outputs must be bitwise equal (the device maps bytes to pixel values by table lookup)."""
     from loadtests.gpu_bench import pixel_values
@@ -470,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = ["--budget-s", f"{left:.0f}", *(["--skip", args.skip] if args.skip else [])]
         os.execv(sys.executable, [sys.executable, "-m", "loadtests.gpu_check", *rest])  # fresh imports
     try:
-        reason = cuda_missing_reason()
+        reason = None if DEVICE == "cpu" else cuda_missing_reason()
     except ImportError as e:
         print(f"gpu-check: torch is not importable by {sys.executable} ({e})")
         return 2
@@ -480,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     budget = Budget(args.budget_s)
-    results: dict[str, Any] = {"gpu_check": None, **device_info()}
+    info = {"dry_run": f"{DRY_RUN_ENV}=cpu: this check's code on the CPU, nothing about a GPU"} if DEVICE == "cpu" \
+        else device_info()
+    results: dict[str, Any] = {"gpu_check": None, **info}
     with tempfile.TemporaryDirectory(prefix="gpu-check-cache-") as cache_dir:
         if "parity" not in skip:
             results["parity"] = section_parity(cache_dir, budget, log)
@@ -502,7 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     results["gpu_check"] = "failed" if failed else "passed"
     results["failed"] = failed
     results["seconds"] = round(time.perf_counter() - t0, 1)
-    results["command"] = "python -m loadtests.gpu_check" + (f" --skip {args.skip}" if skip else "")
+    results["command"] = (f"{DRY_RUN_ENV}=cpu " if DEVICE == "cpu" else "") + "python -m loadtests.gpu_check" \
+        + (f" --skip {args.skip}" if skip else "")
     print(json.dumps(results, default=str))
     return 1 if failed else 0
 
