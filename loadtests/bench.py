@@ -617,20 +617,6 @@ def section_routing(mode: str) -> dict[str, float]:
             "routing_stats_every_call_vs_off": r["ratio_every_call_vs_off"]}
 
 
-def section_invariance(mode: str) -> dict[str, float | str]:
-    """The batch-invariant layer forms of the torch CPU backend (loadtests.invariance_bench), in a
-    child process: its random soft-s16-e128 (3.5 GB) goes back when it exits."""
-    model, rounds = pick(mode, ("soft-s16-e128", 3), ("soft-s16-e128", 2), ("digits", 1))
-    r = subprocess.run([sys.executable, "-m", "loadtests.invariance_bench", "--model", model, "--rounds", str(rounds)],
-                       cwd=ROOT, capture_output=True, text=True, check=True)
-    print("\n" + r.stderr.strip().splitlines()[-1])
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    out.pop("command")
-    for key in ("invariance_shapes_stock", "invariance_shapes_invariant"):
-        out[key] = ",".join(map(str, out[key]))
-    return out
-
-
 def section_gpu(mode: str) -> dict[str, float | str]:
     import torch
 
@@ -656,7 +642,7 @@ SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "in
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loadtests import peers_bench  # imports this module: not at the top
+    from loadtests import invariance_bench, peers_bench  # peers_bench imports this module: not at the top
 
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="softmoe-serve benchmarks (ratios measured side by side)")
@@ -688,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
             "frontend": lambda: section_frontend(mode),
             "routing": lambda: section_routing(mode),
             "peers": lambda: peers_bench.section(mode, Path(tmp), args.peers_python, args.peers_model),
-            "invariance": lambda: section_invariance(mode),
+            "invariance": lambda: invariance_bench.section(mode),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

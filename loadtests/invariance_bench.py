@@ -21,8 +21,10 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -98,6 +100,20 @@ def run(variant: str = "soft-s16-e128", rounds: int = 3, calls: int = 3, log=pri
     log(f"invariance ({variant}): proven shapes stock {out['invariance_shapes_stock']}, invariant "
         f"{out['invariance_shapes_invariant']}; " + ", ".join(f"{form} b{b} {v * 1e3:.1f} ms" for (form, b), v in sorted(med.items())))
     backend.close()
+    return out
+
+
+def section(mode: str) -> dict[str, Any]:
+    """`make bench`'s invariance section, in a child process: its random soft-s16-e128 (3.5 GB)
+    goes back when it exits. Shapes become comma lists (the bench's JSON holds scalars)."""
+    model, rounds = {"full": ("soft-s16-e128", 3), "quick": ("soft-s16-e128", 2), "smoke": ("digits", 1)}[mode]
+    r = subprocess.run([sys.executable, "-m", "loadtests.invariance_bench", "--model", model, "--rounds", str(rounds)],
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, check=True)
+    print("\n" + r.stderr.strip().splitlines()[-1])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    out.pop("command")
+    for key in ("invariance_shapes_stock", "invariance_shapes_invariant"):
+        out[key] = ",".join(map(str, out[key]))
     return out
 
 
