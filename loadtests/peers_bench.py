@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from loadtests.bench import (ROOT, Child, Load, b64, interleave, jpeg, json_request, load, median, pick, proven_line,
-                             wait_answers)
+from loadtests.harness import (ROOT, Child, Load, b64, interleave, jpeg, json_request, load, median, pick, proven_line,
+                               wait_answers)
 from loadtests.procs import frozen, mem_available
 from loadtests.run import ServerProcess, free_port, wait_ready
 

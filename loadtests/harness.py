@@ -1,0 +1,272 @@
+"""The bench's machinery: servers as child processes, a minimal keep-alive HTTP/1.1 load generator
+(closed loop, the same bytes to every server), interleaved windows and the request bodies. Used by
+loadtests/bench.py and every section that lives beside it (peers_bench, invariance_bench, soak).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import json
+import os
+import random
+import shlex
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from loadtests.procs import cpu_seconds
+from loadtests.run import ServerProcess, wait_ready
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("full", "quick", "smoke")
+
+
+def pick(mode: str, full, quick, smoke):
+    """The value of a setting for the run's mode."""
+    return {"full": full, "quick": quick, "smoke": smoke}[mode]
+
+
+# ------------------------------------------------------------------ processes
+
+
+def serve_many(specs: dict[str, list[str]], parallel: bool = True) -> dict[str, ServerProcess]:
+    """`softmoe serve` with each flag list (loadtests.run's child process on a free loopback port),
+    returned when every one is ready. ``parallel``: all started at once (small models); else one
+    after the other, each ready before the next starts (a soft-s16-e128 server peaks at ~11 GB
+    while it loads, ~7.5 GB after)."""
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for name, args in specs.items():
+            servers[name] = ServerProcess(shlex.join(args), Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
+            if not parallel:
+                wait_ready(servers[name].url, 900, servers[name])
+        for s in servers.values():
+            wait_ready(s.url, 900, s)
+    except BaseException:
+        for s in servers.values():
+            s.stop()
+        raise
+    return servers
+
+
+def serve(args: list[str]) -> ServerProcess:
+    return serve_many({"server": args})["server"]
+
+
+class Child(ServerProcess):
+    """Any server command on a given loopback port, stopped as ServerProcess stops `softmoe serve`
+    (SIGTERM, kill after 30 s), then whatever it left in its own process group (Ray's agents)."""
+
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str] | None = None) -> None:  # noqa: D107
+        self.port, self.url, self.cmd = port, f"http://127.0.0.1:{port}", cmd
+        self.log_path = Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, start_new_session=True)
+
+    def stop(self) -> int | None:
+        code = super().stop()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        return code
+
+
+# ------------------------------------------------------------------ the client
+
+
+def wire(path: str, body: bytes, content_type: str) -> bytes:
+    """One HTTP/1.1 POST, ready to send on a keep-alive connection."""
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def jpeg_request(path: str, data: bytes) -> bytes:
+    return wire(path, data, "image/jpeg")
+
+
+def json_request(path: str, obj: dict) -> bytes:
+    return wire(path, json.dumps(obj).encode(), "application/json")
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+async def _exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, bool]:
+    """Send one request, read its whole response; (status, whether the server closes)."""
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    status = int(lines[0].split()[1])
+    length, chunked, close = None, False, False
+    for line in lines[1:]:
+        key, _, value = line.partition(b":")
+        key, value = key.strip().lower(), value.strip().lower()
+        if key == b"content-length":
+            length = int(value)
+        elif key == b"transfer-encoding":
+            chunked = b"chunked" in value
+        elif key == b"connection":
+            close = value == b"close"
+    if chunked:
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    elif length is not None:
+        await reader.readexactly(length)
+    elif status not in (204, 304):
+        await reader.read()
+        close = True
+    return status, close
+
+
+@dataclass
+class Load:
+    """One window of a closed loop."""
+
+    seconds: float
+    requests: int = 0  # successful
+    items: int = 0  # images in the successful requests
+    errors: int = 0
+    latencies: list[float] = field(default_factory=list)  # seconds, successful requests
+    client_cpu: float = 0.0  # CPU seconds of this process (the load generator)
+    server_cpu: float | None = None  # CPU seconds of the given server processes
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.seconds
+
+    def ms(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q)) * 1e3 if self.latencies else float("nan")
+
+
+async def _closed_loop(ports: list[int], requests: list[tuple[bytes, int]], seconds: float, concurrency: int,
+                       min_requests: int, timeout: float) -> Load:
+    """``concurrency`` clients, client i on ``ports[i % len(ports)]``, each sending its next request
+    as soon as the last one is answered, for ``seconds`` (and at least ``min_requests`` requests)."""
+    conns = [list(await asyncio.open_connection("127.0.0.1", ports[i % len(ports)])) for i in range(concurrency)]
+    out = Load(0.0)
+    t0 = time.perf_counter()
+    stop = t0 + seconds
+
+    async def client(i: int) -> None:
+        reader, writer = conns[i]
+        k = i
+        while time.perf_counter() < stop or out.requests + out.errors < min_requests:
+            request, items = requests[k % len(requests)]
+            k += concurrency
+            start = time.perf_counter()
+            try:
+                status, close = await asyncio.wait_for(_exchange(reader, writer, request), timeout)
+            except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError, ValueError):
+                status, close = 0, True
+            if status == 200:
+                out.latencies.append(time.perf_counter() - start)
+                out.requests += 1
+                out.items += items
+            else:
+                out.errors += 1
+            if close:
+                writer.close()
+                reader, writer = await asyncio.open_connection("127.0.0.1", ports[i % len(ports)])
+                conns[i] = [reader, writer]
+
+    try:
+        await asyncio.gather(*(client(i) for i in range(concurrency)))
+    finally:
+        out.seconds = time.perf_counter() - t0
+        for _, writer in conns:
+            writer.close()
+    return out
+
+
+ERRORS: dict[str, int] = {}
+
+
+def load(ports: list[int], requests: list[tuple[bytes, int]], seconds: float, concurrency: int, *,
+         min_requests: int = 0, pids: list[int] = (), label: str = "", timeout: float = 120.0) -> Load:
+    """One closed-loop window (see ``_closed_loop``); failed requests are counted under ``label``
+    (the run's ``errors``) unless it is empty (warm-up, readiness polls)."""
+    server0 = [cpu_seconds(p) for p in pids]
+    client0 = time.process_time()
+    out = asyncio.run(_closed_loop(ports, requests, seconds, concurrency, min_requests, timeout))
+    out.client_cpu = time.process_time() - client0
+    server1 = [cpu_seconds(p) for p in pids]
+    if pids and None not in server0 + server1:
+        out.server_cpu = sum(b - a for a, b in zip(server0, server1))
+    if out.errors and label:
+        ERRORS[label] = ERRORS.get(label, 0) + out.errors
+    return out
+
+
+def wait_answers(server: ServerProcess, request: bytes, timeout: float) -> None:
+    """Poll with a real request until one is answered 200 (servers without our readiness route)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.cmd[2:4]} exited with status {server.proc.returncode}:\n{server.tail()}")
+        try:
+            if load([server.port], [(request, 1)], 0.0, 1, min_requests=1, timeout=10).requests:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.url} did not answer after {timeout:.0f} s:\n{server.tail()}")
+        time.sleep(0.5)
+
+
+def interleave(windows: dict[str, Callable[[], object]], rounds: int, seed: int = 0) -> dict[str, list]:
+    """Run each named measurement once per round, in a shuffled order; collect the values."""
+    rng = random.Random(seed)
+    out: dict[str, list] = {k: [] for k in windows}
+    for _ in range(rounds):
+        order = list(windows)
+        rng.shuffle(order)
+        for name in order:
+            out[name].append(windows[name]())
+    return out
+
+
+def median(values) -> float:
+    return float(statistics.median(values))
+
+
+def jpeg(width: int, height: int, seed: int) -> bytes:
+    from PIL import Image
+    from sklearn.datasets import load_sample_image
+
+    photo = Image.fromarray(load_sample_image(["china.jpg", "flower.jpg"][seed % 2]))
+    photo = photo.resize((width, height), Image.Resampling.LANCZOS)
+    arr = np.asarray(photo).copy()
+    arr[: 4 + seed % 7, : 4 + seed % 5] = seed % 255  # distinct images
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _windows(values: list[float], digits: int = 2) -> list[float]:
+    return [round(v, digits) for v in values]
+
+
+def proven_line(server: ServerProcess) -> str:
+    """The 'padded shapes proven' line a server started with --log-level info wrote."""
+    for line in server.tail(200).splitlines():
+        if "padded shapes proven" in line:
+            return line.split(": ", 2)[-1]
+    return "(not logged)"
