@@ -2,8 +2,8 @@
 
     python -m loadtests.soak [--url URL --pid PID | --start-server] [--minutes 10] [--load 0.7]
 
-1. Calibrate: a closed loop of concurrent clients for 20 s measures capacity (req/s) on
-   /v1/classify with real digit PNGs (the built-in model) or --path/--body of your choice.
+1. Calibrate: locust users with no wait time (a closed loop) for --calibrate-seconds (20) measure
+   capacity (answered requests/s) on /v1/classify with a real digit PNG (the built-in model).
 2. Soak: locust users at a constant throughput adding up to ``load`` x capacity, for --minutes.
 3. Every --window seconds: server RSS (/proc/PID), p50/p99 of that window, error counts, the
    number of Prometheus series /metrics exposes.
@@ -25,7 +25,7 @@ import time  # noqa: E402
 
 import gevent  # noqa: E402
 import httpx  # noqa: E402
-from locust import HttpUser, constant_throughput, task  # noqa: E402
+from locust import HttpUser, constant, constant_throughput, task  # noqa: E402
 from locust.env import Environment  # noqa: E402
 
 BODY: dict = {}
@@ -48,6 +48,18 @@ class SoakUser(HttpUser):
 STATS = {"shed": 0}
 
 
+class CalibrateUser(HttpUser):
+    """A closed-loop client: its next request as soon as the last is answered; only 200s count."""
+
+    wait_time = constant(0)
+
+    @task
+    def classify(self) -> None:
+        with self.client.post("/v1/classify", json=BODY, name="classify", catch_response=True) as r:
+            if r.status_code != 200:
+                r.failure(f"HTTP {r.status_code}")
+
+
 def rss(pid: int) -> int:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmRSS:"):
@@ -61,12 +73,22 @@ def series(url: str) -> int:
 
 
 def calibrate(url: str, seconds: float = 20.0, concurrency: int = 8) -> float:
-    from loadtests.bench import throughput
-
-    rate, errors = throughput(url, "/v1/classify", lambda k: (dict(json=BODY), 1), seconds, concurrency)
-    if errors:
-        raise SystemExit(f"calibration saw {errors} errors")
-    return rate
+    """Capacity in answered requests/s: ``concurrency`` closed-loop locust users for ``seconds``."""
+    env = Environment(user_classes=[CalibrateUser], host=url)
+    runner = env.create_local_runner()
+    runner.start(concurrency, spawn_rate=concurrency)
+    gevent.sleep(min(2.0, seconds / 4))  # connections open, first batches formed
+    env.stats.reset_all()
+    t0 = time.monotonic()
+    gevent.sleep(seconds)
+    total = env.stats.total
+    answered, failures, elapsed = total.num_requests - total.num_failures, total.num_failures, time.monotonic() - t0
+    runner.quit()
+    if failures:
+        raise SystemExit(f"calibration saw {failures} failed requests: {dict(env.stats.errors)}")
+    if not answered:
+        raise SystemExit(f"calibration: no request answered in {seconds:g} s")
+    return answered / elapsed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,6 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--load", type=float, default=0.7, help="fraction of measured capacity")
     parser.add_argument("--users", type=int, default=8)
     parser.add_argument("--window", type=float, default=60.0)
+    parser.add_argument("--calibrate-seconds", type=float, default=20.0)
     args = parser.parse_args(argv)
 
     from sklearn.datasets import load_digits
@@ -88,14 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     proc = None
     url, pid = args.url, args.pid
     if args.start_server:
-        from loadtests.bench import serve
+        from loadtests.harness import serve
 
         proc = serve([])
         url, pid = proc.url, proc.proc.pid
     if not url or not pid:
         raise SystemExit("give --url and --pid, or --start-server")
     try:
-        capacity = calibrate(url)
+        capacity = calibrate(url, args.calibrate_seconds)
         target = args.load * capacity
         SoakUser.wait_time = constant_throughput(target / args.users)
         print(f"capacity {capacity:.1f} req/s; soaking at {target:.1f} req/s ({args.load:.0%}) with {args.users} users "
