@@ -10,6 +10,7 @@ the most a request the budgets admit can cost. A measurement, not a test.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import gzip
 import io
@@ -52,7 +53,8 @@ def cases() -> dict[str, dict]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     server = ServerProcess("", Path(tempfile.mkdtemp(prefix="softmoe-budget-")) / "server.log")
     try:
         wait_ready(server.url, 600, server)
