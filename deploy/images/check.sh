@@ -120,6 +120,19 @@ PY
     docker stop -t 30 "$name" >/dev/null || true
 }
 
+cuda_refused() {  # image label [serve args...]: no GPU on this host, so the server must refuse to start
+    local image=$1 label=$2 err rc=0 lines
+    shift 2
+    err=$(docker run --rm "${hardened[@]}" --network none "$image" serve --port 0 "$@" 2>&1 >/dev/null) || rc=$?
+    lines=$(printf '%s\n' "$err" | grep -c . || true)
+    if (( rc == 2 && lines == 1 )); then
+        pass "$image: $label: exit 2, one line on stderr: $err"
+    else
+        printf '%s\n' "$err" | tail -n 20 | sed 's/^/    /'
+        fail "$image: $label: exit $rc with $lines line(s) on stderr; want exit 2 and one line (no silent CPU)"
+    fi
+}
+
 inspect_image() {  # image [--gpu] [--lock=/locks/NAME.lock...]; requirements/ is mounted at /locks
     local image=$1
     shift
@@ -152,6 +165,11 @@ if docker run --rm "${hardened[@]}" --network none "$GPU_TAG" --help >/dev/null;
 else
     fail "$GPU_TAG: softmoe --help with --read-only"
 fi
+# No GPU here, onnxruntime-gpu and CUDA torch installed: asked for cuda, each backend refuses to start.
+cuda_refused "$GPU_TAG" "--backend onnxruntime --device cuda (onnxruntime-gpu installed)" --backend onnxruntime --device cuda
+cuda_refused "$GPU_TAG" "--backend onnxruntime --device cuda --precision fp32" --backend onnxruntime --device cuda --precision fp32
+cuda_refused "$GPU_TAG" "--backend torch --device cuda (CUDA torch installed)" --backend torch --device cuda
+cuda_refused "$GPU_TAG" "--backend tensorrt (built without TensorRT, or no GPU)" --backend tensorrt
 # No GPU here: the image's own Python stack serving on the CPU (ONNX Runtime's CPU provider).
 serve_ready "$GPU_TAG" "onnxruntime backend on the CPU (no GPU on this host)" \
     -e SOFTMOE_BACKEND=onnxruntime -e SOFTMOE_DEVICE=cpu -e SOFTMOE_PRECISION=fp32

@@ -15,6 +15,7 @@ page (provider options, ``preload_dlls``, CUDA graphs with I/O binding) and its 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from pathlib import Path
 from typing import Any, Callable
@@ -263,19 +264,63 @@ def ort_cuda_provider_options(device_id: int = 0, cuda_graph: bool = False) -> d
     return opts
 
 
+ORT_DEFAULT_SEVERITY = 2  # ONNX Runtime's default logger level (warning), restored after a quiet step
+
+
+@contextlib.contextmanager
+def ort_quiet(ort: Any):
+    """ONNX Runtime's default logger at fatal for the duration: a provider that fails to load logs
+    several lines to stderr on its own (library path, loader error, requirements URL) before
+    ``require_ort_provider`` says what is missing in one line, the only one the server prints."""
+    ort.set_default_logger_severity(4)
+    try:
+        yield
+    finally:
+        ort.set_default_logger_severity(ORT_DEFAULT_SEVERITY)
+
+
+def _probe_graph() -> bytes:
+    """A one-node ONNX graph (y = x + x on float32 [1]): enough to make the CUDA EP load and run."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Add", ["x", "x"], ["y"])], "cuda_probe", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
 def ort_cuda_preflight(ort: Any) -> None:
-    """Load the CUDA/cuDNN libraries pip installed (ORT >= 1.21) and check the EP is compiled in."""
+    """Refuse, in one line and before any export, an onnxruntime that cannot run on CUDA here.
+
+    Checks that the CUDA EP is compiled in, loads the CUDA/cuDNN libraries pip installed
+    (``preload_dlls``, ORT >= 1.21), then creates a session of a one-node graph on the CUDA EP and
+    runs it: a provider whose libraries, driver or device are missing leaves that session on the
+    CPU (ORT logs and carries on), which ``require_ort_provider`` refuses.
+    """
     if CUDA_EP not in ort.get_available_providers():
         raise DeviceUnavailableError(
             f"--device cuda: onnxruntime {ort.__version__} has no {CUDA_EP} (this is the CPU package); "
             "install onnxruntime-gpu in its place: pip uninstall onnxruntime && pip install 'softmoe-serve[gpu]'"
         )
     preload = getattr(ort, "preload_dlls", None)
-    if preload is not None:
+    with ort_quiet(ort):
+        if preload is not None:
+            try:
+                preload()
+            except OSError:
+                pass  # what did not load is named by require_ort_provider below
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 4
         try:
-            preload()
-        except OSError:
-            pass  # what did not load is named by require_ort_provider once the session exists
+            probe = ort.InferenceSession(_probe_graph(), sess_options=opts,
+                                         providers=[(CUDA_EP, ort_cuda_provider_options())], enable_fallback=0)
+        except Exception as e:  # noqa: BLE001 - ORT raises several types
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise DeviceUnavailableError(f"--device cuda: onnxruntime could not create a {CUDA_EP} session: {first}") from None
+        require_ort_provider(probe, "--device cuda")
+        probe.run(None, {"x": np.ones(1, np.float32)})
 
 
 def ort_cuda_session(path: str | Path, *, device_id: int = 0, cuda_graph: bool = False,
@@ -297,7 +342,8 @@ def ort_cuda_session(path: str | Path, *, device_id: int = 0, cuda_graph: bool =
         opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     providers = [(CUDA_EP, ort_cuda_provider_options(device_id, cuda_graph))]
     try:
-        return ort.InferenceSession(str(path), sess_options=opts, providers=providers, enable_fallback=0)
+        with ort_quiet(ort):
+            return ort.InferenceSession(str(path), sess_options=opts, providers=providers, enable_fallback=0)
     except Exception as e:  # noqa: BLE001 - ORT raises several types; one line names the file and cause
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise DeviceUnavailableError(f"{Path(path).name}: onnxruntime could not create a {CUDA_EP} session: {first}") from None

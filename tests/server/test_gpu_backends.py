@@ -203,9 +203,39 @@ def test_ort_cuda_claimed_but_cpu_session_is_refused(tiny_onnx, monkeypatch):
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *real])
     with pytest.raises(DeviceUnavailableError) as e:
         OnnxRuntimeBackend([tiny_onnx], device="cuda")
-    msg = _one_line(e.value)
-    assert msg.startswith("tiny.onnx: CUDAExecutionProvider failed to load (")
+    msg = _one_line(e.value)  # the preflight's one-node probe session, before any real graph
+    assert msg.startswith("--device cuda: CUDAExecutionProvider failed to load (")
     assert "active providers ['CPUExecutionProvider']" in msg
+    # Behind the probe, every real session is checked too.
+    monkeypatch.setattr(cuda, "ort_cuda_preflight", lambda ort: None)
+    with pytest.raises(DeviceUnavailableError) as e:
+        OnnxRuntimeBackend([tiny_onnx], device="cuda")
+    assert _one_line(e.value).startswith("tiny.onnx: CUDAExecutionProvider failed to load (")
+
+
+@pytest.mark.filterwarnings("ignore:Specified provider 'CUDAExecutionProvider' is not in available")
+def test_ort_cuda_claimed_is_refused_before_export_and_quietly(tmp_path, monkeypatch, capfd):
+    """With onnxruntime-gpu on a machine where its provider cannot load, `softmoe serve --device
+    cuda` refuses before exporting anything into the cache, and ONNX Runtime's own log lines
+    (library path, loader error, requirements URL) do not reach stderr: one line is the server's."""
+    import onnxruntime as ort
+
+    from server.registry import load_served_model
+    from server.settings import Settings
+
+    real = ort.get_available_providers()
+    if "CUDAExecutionProvider" in real and torch.cuda.is_available():
+        pytest.skip("a real CUDA EP would become active here")
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *real])
+    capfd.readouterr()
+    settings = Settings(backend="onnxruntime", device="cuda", precision="fp32", cache_dir=str(tmp_path))
+    with pytest.raises(DeviceUnavailableError) as e:
+        load_served_model(f"digits={DIGITS}", settings, log=lambda *a: None)
+    assert _one_line(e.value).startswith("--device cuda: CUDAExecutionProvider failed to load (")
+    assert not any(tmp_path.iterdir()), "it exported before checking the device"
+    err = capfd.readouterr().err
+    assert "onnxruntime" not in err.lower(), err
+
 
 
 def test_ort_python_fallback_session_is_refused(tiny_onnx, monkeypatch):
