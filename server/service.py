@@ -6,7 +6,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import math
+import os
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -140,10 +143,27 @@ class LabelCache:
             self._d.popitem(last=False)
 
 
+def lower_priority(nice: int) -> None:
+    """Raise the calling thread's niceness by ``nice`` (Linux schedules threads one by one).
+
+    Decode and preprocessing share the cores with the backend's intra-op threads, and a parallel
+    step of the backend waits for its slowest thread: a decode thread taking one of its cores
+    stalls every core. At a lower priority decode runs in the backend's gaps and still gets a core
+    when the backend is idle. Raising niceness needs no privilege; where the platform has no
+    per-thread priority nothing changes.
+    """
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
 class Service:
     def __init__(self, settings: Settings, models: dict[str, ServedModel], batcher: Batcher, metrics: Metrics) -> None:
         self.settings, self.models, self.batcher, self.metrics = settings, models, batcher, metrics
-        self.pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="softmoe-decode")
+        self.pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="softmoe-decode",
+                                       initializer=lower_priority, initargs=(settings.decode_nice,))
         self.label_cache = LabelCache(settings.label_cache_size)
         self.gpu_jpeg = None  # --decode-device cuda: nvJPEG (server/pipeline/gpu_decode.py)
         if settings.decode_device == "cuda":

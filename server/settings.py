@@ -70,6 +70,13 @@ class Settings(BaseSettings):
     )
     threads: int = Field(0, ge=0, description="intra-op threads of the backend (0: the CPUs available)")
     decode_workers: int = Field(2, ge=1, description="threads decoding and preprocessing images")
+    decode_nice: int = Field(
+        0, ge=0, le=19,
+        description="added to the decode threads' scheduling niceness (Linux; 0: the process's own). With a heavy "
+        "model they then yield the cores to the backend's threads, which wait for their slowest peer at every "
+        "parallel step (soft-s16-e128, 640x480 JPEGs, 10: +5% images/s); with a light one decode is the work "
+        "(digits: -7% requests/s). docs/benchmarks.md",
+    )
     decode_device: Literal["cpu", "cuda"] = Field(
         "cpu",
         description="where JPEGs are decoded; cuda: nvJPEG via torchvision (opt-in: its pixels differ from "
