@@ -74,7 +74,7 @@ class Settings(BaseSettings):
         0, ge=0, le=19,
         description="added to the decode threads' scheduling niceness (Linux; 0: the process's own). With a heavy "
         "model they then yield the cores to the backend's threads, which wait for their slowest peer at every "
-        "parallel step (soft-s16-e128, 640x480 JPEGs, 10: +5% images/s); with a light one decode is the work "
+        "parallel step (soft-s16-e128, 640x480 JPEGs, 10: +1-5% images/s in three runs); with a light one decode is the work "
         "(digits: -7% requests/s). docs/benchmarks.md",
     )
     decode_device: Literal["cpu", "cuda"] = Field(

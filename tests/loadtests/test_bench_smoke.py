@@ -30,6 +30,8 @@ KEYS = (
     "frontend_rps_1", "frontend_rps_per_core", "frontend_scaling", "frontend_img_per_s_1",
     # the batch-invariant layer forms (torch, CPU)
     "invariance_strict_c1_speedup", "invariance_b1_cost", "invariance_b8_cost",
+    # --decode-nice 10 vs 0
+    "decode_nice_throughput_ratio", "decode_nice_c1_p50_ratio",
     # routing statistics on vs off
     "routing_stats_on_vs_off", "routing_stats_on_vs_off_paired", "routing_stats_every_call_vs_off",
     # the run

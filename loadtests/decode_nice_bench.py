@@ -1,0 +1,86 @@
+"""What `--decode-nice N` does to serving: two servers alive together, one with the decode threads
+N steps nicer, measured in interleaved windows.
+
+    python -m loadtests.decode_nice_bench [--package DIR] [--nice 10] [--rounds 4]
+        [--seconds 25] [--clients 64] [--max-batch-size 32]
+
+Both servers are `softmoe serve` with their defaults otherwise (ONNX Runtime on CPU, strict
+determinism), the same package, the same 640x480 JPEGs posted to /v1/classify. Saturation: a closed
+loop of ``--clients``; concurrency 1: one client. Printed, as one JSON line:
+``decode_nice_throughput_ratio`` (images/s nice over plain) and ``decode_nice_c1_p50_ratio``
+(p50 nice over plain), the medians and the windows. A package DIR of a heavy model (e.g. `softmoe
+init soft-s16-e128 --out DIR`) is where it helps; on digits decode is the work and it costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from loadtests.harness import interleave, jpeg, jpeg_request, load, median
+from loadtests.run import ServerProcess, wait_ready
+
+
+def run(package: str | None, *, nice: int, rounds: int, seconds: float, clients: int, max_batch_size: int,
+        log=print) -> dict[str, Any]:
+    model = f"--model m={package} " if package else ""
+    common = f"{model}--max-batch-size {max_batch_size} --max-delay-ms {100 if package else 5}"
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for name, flags in (("plain", "--decode-nice 0"), ("nice", f"--decode-nice {nice}")):
+            servers[name] = ServerProcess(f"{common} {flags}", Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "log")
+            wait_ready(servers[name].url, 900, servers[name])  # one at a time: a heavy model peaks while loading
+        requests = [(jpeg_request("/v1/classify", jpeg(640, 480, i)), 1) for i in range(16)]
+        for s in servers.values():
+            load([s.port], requests, min(3.0, seconds), clients)  # warm: connections, first batches
+        sat = interleave({n: (lambda s=s: load([s.port], requests, seconds, clients, label="decode_nice").items_per_s)
+                          for n, s in servers.items()}, rounds, seed=5)
+        c1 = interleave({n: (lambda s=s: load([s.port], requests, max(0.3, seconds / 3), 1, min_requests=3,
+                                              label="decode_nice").ms(50))
+                         for n, s in servers.items()}, rounds, seed=6)
+    finally:
+        for s in servers.values():
+            s.stop()
+    out: dict[str, Any] = {
+        "decode_nice": nice,
+        "decode_nice_throughput_ratio": round(median(sat["nice"]) / median(sat["plain"]), 3),
+        "decode_nice_c1_p50_ratio": round(median(c1["nice"]) / median(c1["plain"]), 3),
+    }
+    for n in servers:
+        out[f"decode_nice_img_per_s_{n}"] = round(median(sat[n]), 2)
+        out[f"decode_nice_c1_p50_ms_{n}"] = round(median(c1[n]), 2)
+        log(f"  {n:6} --decode-nice {0 if n == 'plain' else nice:<3} img/s {median(sat[n]):8.2f}  windows "
+            f"{[round(v, 1) for v in sat[n]]}   c1 p50 ms {median(c1[n]):7.2f}  windows {[round(v, 1) for v in c1[n]]}")
+    return out
+
+
+def section(mode: str) -> dict[str, Any]:
+    """`make bench`'s decode_nice section, on digits (a light model: the cost side). The heavy
+    side needs a soft-s16-e128 package: python -m loadtests.decode_nice_bench --package DIR."""
+    rounds, seconds = {"full": (6, 6.0), "quick": (3, 4.0), "smoke": (1, 0.3)}[mode]
+    print(f"\n--decode-nice 10 vs 0, digits, 32 clients, {rounds} rounds x {seconds:g} s, 640x480 JPEGs:")
+    return run(None, nice=10, rounds=rounds, seconds=seconds, clients=32, max_batch_size=8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", help="a model package directory (default: the built-in digits)")
+    parser.add_argument("--nice", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=25.0)
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    args = parser.parse_args(argv)
+    result = run(args.package, nice=args.nice, rounds=args.rounds, seconds=args.seconds, clients=args.clients,
+                 max_batch_size=args.max_batch_size, log=lambda m: print(m, file=sys.stderr, flush=True))
+    result["command"] = "python -m loadtests.decode_nice_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
