@@ -7,9 +7,10 @@ N steps nicer, measured in interleaved windows.
 Both servers are `softmoe serve` with their defaults otherwise (ONNX Runtime on CPU, strict
 determinism), the same package, the same 640x480 JPEGs posted to /v1/classify. Saturation: a closed
 loop of ``--clients``; concurrency 1: one client. Printed, as one JSON line:
-``decode_nice_throughput_ratio`` (images/s nice over plain) and ``decode_nice_c1_p50_ratio``
-(p50 nice over plain), the medians and the windows. A package DIR of a heavy model (e.g. `softmoe
-init soft-s16-e128 --out DIR`) is where it helps; on digits decode is the work and it costs.
+``decode_nice_throughput_ratio`` (images/s nice over plain) and ``decode_nice_c1_p50_ratio`` (p50
+nice over plain), the medians, and ``errors`` (non-200 answers while measuring). A package DIR of
+a heavy model (e.g. `softmoe init soft-s16-e128 --out DIR`) is where it helps; on digits decode is
+the work and it costs.
 """
 
 from __future__ import annotations
@@ -17,23 +18,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from loadtests.harness import interleave, jpeg, jpeg_request, load, median
-from loadtests.run import ServerProcess, wait_ready
+from loadtests.harness import ERRORS, interleave, jpeg, jpeg_request, load, median, serve_many
 
 
 def run(package: str | None, *, nice: int, rounds: int, seconds: float, clients: int, max_batch_size: int,
         log=print) -> dict[str, Any]:
-    model = f"--model m={package} " if package else ""
-    common = f"{model}--max-batch-size {max_batch_size} --max-delay-ms {100 if package else 5}"
-    servers: dict[str, ServerProcess] = {}
+    common = ["--model", f"m={package}"] if package else []
+    common += ["--max-batch-size", str(max_batch_size), "--max-delay-ms", str(100 if package else 5)]
+    # One at a time, each ready before the next: a heavy model peaks while it loads.
+    servers = serve_many({"plain": [*common, "--decode-nice", "0"], "nice": [*common, "--decode-nice", str(nice)]},
+                         parallel=False)
     try:
-        for name, flags in (("plain", "--decode-nice 0"), ("nice", f"--decode-nice {nice}")):
-            servers[name] = ServerProcess(f"{common} {flags}", Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "log")
-            wait_ready(servers[name].url, 900, servers[name])  # one at a time: a heavy model peaks while loading
         requests = [(jpeg_request("/v1/classify", jpeg(640, 480, i)), 1) for i in range(16)]
         for s in servers.values():
             load([s.port], requests, min(3.0, seconds), clients)  # warm: connections, first batches
@@ -77,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(args.package, nice=args.nice, rounds=args.rounds, seconds=args.seconds, clients=args.clients,
                  max_batch_size=args.max_batch_size, log=lambda m: print(m, file=sys.stderr, flush=True))
+    result["errors"] = sum(ERRORS.values())  # non-200 answers in the measured windows (0 expected)
     result["command"] = "python -m loadtests.decode_nice_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     print(json.dumps(result))
     return 0

@@ -28,7 +28,6 @@ from loadtests.procs import cpu_seconds
 from loadtests.run import ServerProcess, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("full", "quick", "smoke")
 
 
 def pick(mode: str, full, quick, smoke):

@@ -218,12 +218,6 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
     if settings.backend == "onnxruntime":
         from .backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
 
-        if settings.device == "cuda":  # refused here, before minutes of export into the cache
-            import onnxruntime
-
-            from .backends.cuda import ort_cuda_preflight
-
-            ort_cuda_preflight(onnxruntime)
         files = exported_files(path, settings.cache_dir, precision, log=log, device=settings.device,
                                routing=settings.routing)
         return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,

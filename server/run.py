@@ -121,13 +121,13 @@ def check_backend(settings: Settings) -> None:
         except ImportError:
             hint = "softmoe-serve[gpu]" if settings.device == "cuda" else "softmoe-serve[cpu]"
             raise StartupError(f"--backend onnxruntime needs onnxruntime: pip install '{hint}'") from None
-        if settings.device == "cuda":
-            providers = ort.get_available_providers()
-            if not {"CUDAExecutionProvider", "TensorrtExecutionProvider"} & set(providers):
-                raise StartupError(
-                    "--backend onnxruntime --device cuda needs onnxruntime-gpu (pip install 'softmoe-serve[gpu]'); "
-                    f"the installed onnxruntime {ort.__version__} has only {', '.join(providers)}"
-                )
+        if settings.device == "cuda":  # the CUDA EP compiled in, and a probe session really on it
+            from server.backends.cuda import DeviceUnavailableError, ort_cuda_preflight
+
+            try:
+                ort_cuda_preflight(ort)
+            except DeviceUnavailableError as e:
+                raise StartupError(str(e)) from None
     elif settings.backend == "tensorrt":
         from export.tensorrt import import_tensorrt
 

@@ -291,14 +291,22 @@ def _probe_graph() -> bytes:
     return model.SerializeToString()
 
 
+_ort_cuda_probed = False  # the probe passed in this process
+
+
 def ort_cuda_preflight(ort: Any) -> None:
     """Refuse, in one line and before any export, an onnxruntime that cannot run on CUDA here.
 
     Checks that the CUDA EP is compiled in, loads the CUDA/cuDNN libraries pip installed
     (``preload_dlls``, ORT >= 1.21), then creates a session of a one-node graph on the CUDA EP and
     runs it: a provider whose libraries, driver or device are missing leaves that session on the
-    CPU (ORT logs and carries on), which ``require_ort_provider`` refuses.
+    CPU (ORT logs and carries on), which ``require_ort_provider`` refuses. Called at start-up
+    (``server.run.check_backend``, before any export) and by every CUDA backend; a probe that
+    passed is not repeated in the process.
     """
+    global _ort_cuda_probed
+    if _ort_cuda_probed:
+        return
     if CUDA_EP not in ort.get_available_providers():
         raise DeviceUnavailableError(
             f"--device cuda: onnxruntime {ort.__version__} has no {CUDA_EP} (this is the CPU package); "
@@ -321,6 +329,7 @@ def ort_cuda_preflight(ort: Any) -> None:
             raise DeviceUnavailableError(f"--device cuda: onnxruntime could not create a {CUDA_EP} session: {first}") from None
         require_ort_provider(probe, "--device cuda")
         probe.run(None, {"x": np.ones(1, np.float32)})
+    _ort_cuda_probed = True
 
 
 def ort_cuda_session(path: str | Path, *, device_id: int = 0, cuda_graph: bool = False,

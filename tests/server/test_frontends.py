@@ -368,7 +368,8 @@ def test_sigterm_answers_in_flight_requests_and_exits_0(servers):
         is what SIGTERM must finish. Requests still connecting when it comes get 503 by design."""
         text = httpx.get(f"{server.url}/metrics", timeout=10).text
         in_flight = float(re.search(r"^softmoe_requests_in_flight (\S+)", text, re.M)[1])
-        return in_flight + len(answers) >= 6 and _gauge(server.url, "softmoe_queue_depth", 'model="digits"') >= 1
+        queued = float(re.search(r'^softmoe_queue_depth\{model="digits"\} (\S+)', text, re.M)[1])
+        return in_flight + len(answers) >= 6 and queued >= 1
 
     _wait(all_six_admitted, what="six requests in flight, some queued")
     server.proc.send_signal(signal.SIGTERM)

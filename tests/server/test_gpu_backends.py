@@ -220,7 +220,7 @@ def test_ort_cuda_claimed_is_refused_before_export_and_quietly(tmp_path, monkeyp
     (library path, loader error, requirements URL) do not reach stderr: one line is the server's."""
     import onnxruntime as ort
 
-    from server.registry import load_served_model
+    from server.run import StartupError, _prepare
     from server.settings import Settings
 
     real = ort.get_available_providers()
@@ -229,8 +229,8 @@ def test_ort_cuda_claimed_is_refused_before_export_and_quietly(tmp_path, monkeyp
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *real])
     capfd.readouterr()
     settings = Settings(backend="onnxruntime", device="cuda", precision="fp32", cache_dir=str(tmp_path))
-    with pytest.raises(DeviceUnavailableError) as e:
-        load_served_model(f"digits={DIGITS}", settings, log=lambda *a: None)
+    with pytest.raises(StartupError) as e:  # what `softmoe serve` runs before uvicorn: check, load, build
+        _prepare(settings)
     assert _one_line(e.value).startswith("--device cuda: CUDAExecutionProvider failed to load (")
     assert not any(tmp_path.iterdir()), "it exported before checking the device"
     err = capfd.readouterr().err
