@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import random
+import sys
 import time
 from contextlib import asynccontextmanager
 
@@ -25,7 +26,7 @@ from softmoe_models import __version__
 
 from .batching.batcher import Batcher
 from . import context
-from .errors import BadRequest, PayloadTooLarge, QueueFull, ServiceError, Unavailable
+from .errors import BadRequest, PayloadTooLarge, QueueFull, RequestTimeout, ServiceError, Unavailable
 from .metrics import DOOR, Metrics
 from .registry import ServedModel, apply_jpeg_draft, attach_queues, load_served_model, warmup
 from .service import Service
@@ -49,8 +50,8 @@ def _body(body: dict, path: str) -> dict:
 
 ERROR_TYPES = ("invalid_request", "not_found", "payload_too_large", "unsupported_media_type", "overloaded",
                "unavailable", "deadline_exceeded", "client_disconnected", "internal_error", "inference_failed",
-               "http_error")
-STATUSES = (200, 400, 404, 405, 413, 415, 422, 429, 499, 500, 503, 504)
+               "http_error", "request_timeout", "headers_too_large", "response_timeout")
+STATUSES = (200, 400, 404, 405, 408, 413, 415, 422, 429, 431, 499, 500, 503, 504)
 EXEMPT = ("/v2/health", "/metrics")
 # Request ids (uuid4's format, 32 hex digits) from a PRNG seeded by the OS, reseeded in forked children:
 # uuid.uuid4() reads os.urandom, a system call that gives up the GIL on the event loop's thread on
@@ -134,10 +135,20 @@ class Observe:
             if admitted:
                 received = 0
 
+                body_done = False
+
                 async def counted() -> Message:
-                    nonlocal received, reserved
-                    message = await receive()
+                    nonlocal received, reserved, body_done
+                    if body_done:  # after the body only a disconnect can come: wait for it unbounded
+                        return await receive()
+                    try:
+                        message = await _within(receive(), start + settings.request_timeout_s - time.perf_counter())
+                    except asyncio.TimeoutError:
+                        metrics.rejected.labels(DOOR, "slow_client").inc()
+                        raise RequestTimeout(f"the request body did not arrive within {settings.request_timeout_s:g} s "
+                                             f"(request_timeout_s; {received} bytes came)") from None
                     if message["type"] == "http.request":
+                        body_done = not message.get("more_body", False)
                         received += len(message.get("body", b""))
                         if received > settings.max_body_bytes:
                             metrics.rejected.labels(DOOR, "over_budget").inc()
@@ -183,6 +194,17 @@ class Observe:
         self.in_flight_bytes += nbytes
         self.metrics.in_flight.set(self.in_flight)
         self.metrics.in_flight_bytes.set(self.in_flight_bytes)
+
+
+async def _within(awaitable, seconds: float):
+    """``await awaitable``, raising asyncio.TimeoutError after ``seconds`` (at once when <= 0)."""
+    if seconds <= 0:
+        awaitable.close()
+        raise asyncio.TimeoutError
+    if sys.version_info >= (3, 11):  # a timer on this task, not a new task as wait_for makes before 3.12
+        async with asyncio.timeout(seconds):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, seconds)
 
 
 def _content_length(value: bytes | None) -> int | None:

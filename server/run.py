@@ -206,10 +206,20 @@ async def _serve(server: DrainingServer, sock: socket.socket) -> None:
 
 def _server(app, settings: Settings) -> DrainingServer:
     # lifespan="off": _serve enters the app's lifespan itself, before uvicorn starts.
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                            timeout_graceful_shutdown=max(30, settings.request_timeout_s + 5), access_log=False,
-                            lifespan="off")
+    config = uvicorn.Config(app, lifespan="off", **uvicorn_options(settings, app.state.metrics))
     return DrainingServer(config, settings.drain_seconds)
+
+
+def uvicorn_options(settings: Settings, metrics) -> dict:
+    """What every uvicorn serving an app here is given (tests' live servers too): the HTTP protocol
+    with bounded request heads (server.connection), no access log, and a graceful shutdown that
+    outlasts the longest request."""
+    from .connection import bounded_protocol
+
+    return dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False,
+                http=bounded_protocol(settings.header_timeout_s, settings.max_header_bytes, settings.request_timeout_s,
+                                          metrics),
+                timeout_graceful_shutdown=max(30, settings.request_timeout_s + 5))
 
 
 def _prepare(settings: Settings) -> DrainingServer:
@@ -270,8 +280,11 @@ def run_on_uvicorns_loop(coro) -> None:
         loop.close()
 
 
-def _http_parser(http: str) -> str:
-    """What uvicorn's ``http="auto"`` resolves to: httptools where installed, else h11."""
+def _http_parser(http) -> str:
+    """The HTTP protocol uvicorn runs: ours (server.connection, on httptools), or what its
+    ``http="auto"`` resolves to, httptools where installed, else h11."""
+    if isinstance(http, type):
+        return f"{getattr(http, 'parser_name', http.__name__)}, {getattr(http, 'limits', 'no limits')}"
     if http != "auto":
         return http
     import importlib.util

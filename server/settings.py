@@ -83,7 +83,22 @@ class Settings(BaseSettings):
         "Pillow's by a few levels, make gpu-check measures the top-1 agreement); needs a CUDA device and "
         "torchvision, else start-up fails; other formats, and JPEGs nvJPEG refuses, decode with Pillow (counted)",
     )
-    request_timeout_s: float = Field(30.0, gt=0, description="deadline of a whole request: parsing, decoding and the queue (504 past it)")
+    request_timeout_s: float = Field(
+        30.0, gt=0,
+        description="deadline of a whole request, from its head: receiving the body (408 and the connection closed "
+        "past it), parsing, decoding and the queue (504 past it); sending the response then gets as long again "
+        "before a client that does not read is cut off",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0,
+        description="time a client has to send a request's head (request line and headers) from the moment the "
+        "connection opens or its previous response ends; past it the connection is closed (with a 408 when part "
+        "of a head had arrived)",
+    )
+    max_header_bytes: int = Field(
+        65536, ge=4096,
+        description="request line and headers of one request, in bytes (431 and the connection closed above)",
+    )
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest request body (413 above)")
     max_images_per_request: int = Field(64, ge=1, description="images in one request (422 above)")
     max_texts_per_request: int = Field(256, ge=1, description="texts or labels in one request (422 above)")

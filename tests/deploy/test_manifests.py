@@ -441,7 +441,11 @@ def _graceful_shutdown_s(settings, monkeypatch) -> float:
         record(server)
 
     # No backend check, models or app: only the uvicorn configuration is looked at.
-    monkeypatch.setattr(run, "create_app", lambda *a, **k: object())
+    from types import SimpleNamespace
+
+    from server.metrics import Metrics
+
+    monkeypatch.setattr(run, "create_app", lambda *a, **k: SimpleNamespace(state=SimpleNamespace(metrics=Metrics())))
     for name, value in (("check_backend", None), ("load_models", [])):
         if hasattr(run, name):
             monkeypatch.setattr(run, name, lambda *a, _v=value, **k: _v)

@@ -33,9 +33,14 @@ def wait_until(url: str, timeout: float, alive=lambda: True, what: str = "server
 
 @contextlib.contextmanager
 def live_server(app, timeout: float = 120.0):
-    """Run ``app`` on 127.0.0.1 in a thread; yields the base URL once /v2/health/ready is 200."""
+    """Run ``app`` on 127.0.0.1 in a thread, with the HTTP protocol and options ``softmoe serve``
+    gives uvicorn; yields the base URL once /v2/health/ready is 200."""
+    from server.run import uvicorn_options
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    options = {**uvicorn_options(app.state.settings, app.state.metrics), "host": "127.0.0.1", "port": port,
+               "log_level": "warning"}
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="on", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

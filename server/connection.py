@@ -1,0 +1,155 @@
+"""The HTTP connection: uvicorn's httptools protocol with a deadline and a size limit on every
+request head.
+
+uvicorn bounds only the idle time between two requests of a keep-alive connection
+(``timeout_keep_alive``), and drops that bound as soon as any byte arrives: a client that opens a
+connection and sends nothing, or half a request line, or headers without end, holds its socket
+(and the memory of what it sent) for as long as it likes. Here a head, the request line and its
+headers, must be complete within ``header_timeout_s`` of the connection opening or of the previous
+response ending, and must stay under ``max_header_bytes``. Past either, the connection is closed:
+with a JSON 408 or 431 when part of a head had arrived, silently when nothing had (a client that
+sent nothing is owed nothing, as at the keep-alive timeout). Both count in
+``softmoe_requests_rejected_total{model="none"}`` (``slow_client``, ``over_budget``) and in the
+response and error counters, like every other refusal.
+
+The body and the response are bounded by the request's deadline in ``server.app.Observe``, where
+the request is known. A head that arrives while an earlier request of the same connection is
+still being answered (HTTP pipelining) is only size-bounded here: uvicorn stops reading once it is
+complete, and the earlier request's own deadline bounds the wait.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .app import _ids  # request ids, reseeded in forked front ends
+from .errors import HeadersTooLarge, RequestTimeout, ServiceError
+from .metrics import DOOR, Metrics
+
+log = logging.getLogger("softmoe.server")
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_timeout_s: float,
+                     metrics: Metrics) -> type[HttpToolsProtocol]:
+    """The protocol class to give ``uvicorn.Config(http=...)``."""
+
+    class BoundedHeadProtocol(HttpToolsProtocol):
+        parser_name = "httptools"
+        limits = f"heads within {header_timeout_s:g} s and {max_header_bytes} bytes"
+        _timer = None
+        _waiting = False  # idle since the connection opened or the last response ended: the timer runs
+        _started = False  # some byte of the awaited head has arrived
+        _in_head = False  # between the start of a request line and the end of its headers
+        _counted = 0  # the head's request line, header names and values, as parsed
+        _raw = 0  # bytes of the chunks that arrived wholly inside the head (headers still being parsed)
+        _refusing = False
+        _idle_since = 0.0  # loop time the last response ended
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._await_head()
+
+        def connection_lost(self, exc) -> None:
+            self._stop_timer()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self._refusing:
+                return
+            if self._waiting and data:
+                self._started = True
+            inside = self._in_head
+            super().data_received(data)
+            if self._in_head and inside:  # httptools buffers a header until it ends: count the raw bytes too
+                self._raw += len(data)
+            if (self._counted > max_header_bytes or self._raw > max_header_bytes) and not self.transport.is_closing():
+                self._refuse(HeadersTooLarge(f"request head over {max_header_bytes} bytes (max_header_bytes)"),
+                             "over_budget")
+
+        def on_message_begin(self) -> None:
+            self._in_head, self._counted, self._raw = True, 0, 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._counted += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._counted += len(name) + len(value) + 4  # ": " and CRLF
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._stop_timer()
+            self._in_head = False
+            if self._counted > max_header_bytes:  # refused in data_received once this chunk is parsed
+                self._refusing = True
+                return
+            self._counted = self._raw = 0
+            super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            if not self._refusing:
+                super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            if not self._refusing:
+                super().on_message_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.timeout_keep_alive_task is not None:  # idle: uvicorn armed its keep-alive timer
+                self._await_head()
+
+        def _await_head(self) -> None:
+            self._stop_timer()
+            self._waiting, self._started = True, False
+            self._idle_since = self.loop.time()
+            self._timer = self.loop.call_later(header_timeout_s, self._timed_out)
+
+        def _stop_timer(self) -> None:
+            self._waiting = False
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+
+        def _timed_out(self) -> None:
+            self._timer = None
+            if self.transport.get_write_buffer_size():  # the last response is not read yet
+                left = self._idle_since + response_timeout_s - self.loop.time()
+                if left > 0:
+                    self._timer = self.loop.call_later(min(left, header_timeout_s), self._timed_out)
+                    return
+                log.warning("dropping a connection whose client left %d response bytes unread for %g s",
+                            self.transport.get_write_buffer_size(), response_timeout_s)
+                self.transport.abort()  # close() would wait for the client to read
+                metrics.errors.labels("response_timeout").inc()
+                return
+            if self.transport.is_closing():
+                return
+            if not self._started:  # nothing sent: close as the keep-alive timeout does
+                self.transport.close()
+                return
+            self._refuse(RequestTimeout(f"the request head was not complete within {header_timeout_s:g} s "
+                                        "(header_timeout_s)"), "slow_client")
+
+        def _refuse(self, error: ServiceError, reason: str) -> None:
+            """Answer ``error`` as JSON on the raw transport (no request exists yet) and close."""
+            self._stop_timer()
+            self._refusing = True
+            body = json.dumps(error.body()).encode()
+            given = dict(getattr(self, "headers", None) or ()).get(b"x-request-id", b"")[:128]
+            rid = given if given and given.decode("latin-1").isprintable() else b"%032x" % _ids.getrandbits(128)
+            head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                    b"x-request-id: %s\r\nconnection: close\r\n\r\n"
+                    % (error.status, _REASONS[error.status], len(body), rid))
+            self.transport.write(head + body)
+            self.transport.close()
+            metrics.rejected.labels(DOOR, reason).inc()
+            metrics.responses.labels(str(error.status)).inc()
+            metrics.errors.labels(error.type).inc()
+
+    return BoundedHeadProtocol
