@@ -25,6 +25,8 @@ object with every ratio):
              and Ray heartbeats, which took CPU from whichever server was measured.
   decode_nice  `--decode-nice 10` vs 0 on digits (loadtests/decode_nice_bench.py; a heavy model:
              its --package DIR): images/s at saturation and p50 at concurrency 1.
+  protocol   The HTTP protocol's own CPU per request, bounded request heads (server.connection) vs
+             uvicorn's httptools, without network or model (loadtests/protocol_cost.py).
   layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
              eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
@@ -389,12 +391,12 @@ GOALS = {  # key: (comparison, target)
     "strict_determinism_cost": ("<=", 0.15),
     "routing_stats_on_vs_off": (">=", 0.98),
 }
-SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "layers",
-            "gpu")
+SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
+            "layers", "gpu")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loadtests import decode_nice_bench, invariance_bench, peers_bench
+    from loadtests import decode_nice_bench, invariance_bench, peers_bench, protocol_cost
 
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="softmoe-serve benchmarks (ratios measured side by side)")
@@ -428,6 +430,7 @@ def main(argv: list[str] | None = None) -> None:
             "peers": lambda: peers_bench.section(mode, Path(tmp), args.peers_python, args.peers_model),
             "invariance": lambda: invariance_bench.section(mode),
             "decode_nice": lambda: decode_nice_bench.section(mode),
+            "protocol": lambda: protocol_cost.section(mode),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

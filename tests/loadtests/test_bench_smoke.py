@@ -32,6 +32,8 @@ KEYS = (
     "invariance_strict_c1_speedup", "invariance_b1_cost", "invariance_b8_cost",
     # --decode-nice 10 vs 0
     "decode_nice_throughput_ratio", "decode_nice_c1_p50_ratio",
+    # bounded request heads vs uvicorn's httptools
+    "protocol_added_us_per_request", "protocol_bounded_over_httptools",
     # routing statistics on vs off
     "routing_stats_on_vs_off", "routing_stats_on_vs_off_paired", "routing_stats_every_call_vs_off",
     # the run
