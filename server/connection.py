@@ -15,7 +15,12 @@ response and error counters, like every other refusal.
 The body and the response are bounded by the request's deadline in ``server.app.Observe``, where
 the request is known. A head that arrives while an earlier request of the same connection is
 still being answered (HTTP pipelining) is only size-bounded here: uvicorn stops reading once it is
-complete, and the earlier request's own deadline bounds the wait.
+complete, and the earlier request's own deadline bounds the wait. A refused pipelined head is
+answered after the responses owed to the earlier requests, so the client reads them in order.
+
+A response bigger than the kernel's socket buffers waits in the transport until the client reads
+it; one still unread ``response_timeout_s`` after it was written (``softmoe serve`` passes
+``request_timeout_s``) is dropped with the connection (``softmoe_errors_total{type="response_timeout"}``).
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_ti
         _in_head = False  # between the start of a request line and the end of its headers
         _counted = 0  # the head's request line, header names and values, as parsed
         _raw = 0  # bytes of the chunks that arrived wholly inside the head (headers still being parsed)
-        _refusing = False
+        _refusing = False  # a head was refused: nothing more is read
+        _deferred = None  # (error, reason) to answer once the earlier requests are answered
         _idle_since = 0.0  # loop time the last response ended
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -101,6 +107,10 @@ def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_ti
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            if self._deferred is not None:  # a refused pipelined head: answer it once the earlier ones are
+                if not self._busy():
+                    self._answer(*self._deferred)
+                return
             if self.timeout_keep_alive_task is not None:  # idle: uvicorn armed its keep-alive timer
                 self._await_head()
 
@@ -136,18 +146,32 @@ def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_ti
             self._refuse(RequestTimeout(f"the request head was not complete within {header_timeout_s:g} s "
                                         "(header_timeout_s)"), "slow_client")
 
+        def _busy(self) -> bool:
+            """An earlier request of this connection is still being answered (HTTP pipelining)."""
+            return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
+
         def _refuse(self, error: ServiceError, reason: str) -> None:
-            """Answer ``error`` as JSON on the raw transport (no request exists yet) and close."""
+            """Stop reading; answer ``error`` and close, after the responses owed to earlier requests
+            (a pipelining client takes the responses in order)."""
             self._stop_timer()
             self._refusing = True
+            if self._busy():
+                self._deferred = (error, reason)
+            else:
+                self._answer(error, reason)
+
+        def _answer(self, error: ServiceError, reason: str) -> None:
+            """``error`` as JSON on the raw transport (no request exists for it), then close."""
+            self._deferred = None
             body = json.dumps(error.body()).encode()
             given = dict(getattr(self, "headers", None) or ()).get(b"x-request-id", b"")[:128]
             rid = given if given and given.decode("latin-1").isprintable() else b"%032x" % _ids.getrandbits(128)
             head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                     b"x-request-id: %s\r\nconnection: close\r\n\r\n"
                     % (error.status, _REASONS[error.status], len(body), rid))
-            self.transport.write(head + body)
-            self.transport.close()
+            if not self.transport.is_closing():  # an earlier response may have closed the connection
+                self.transport.write(head + body)
+                self.transport.close()
             metrics.rejected.labels(DOOR, reason).inc()
             metrics.responses.labels(str(error.status)).inc()
             metrics.errors.labels(error.type).inc()

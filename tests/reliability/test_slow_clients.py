@@ -214,6 +214,27 @@ def test_a_head_over_max_header_bytes_gets_431(url, shape):
     _still_serves(url)
 
 
+def test_pipelined_requests_are_answered_in_order_and_a_refused_head_comes_last(url):
+    """HTTP/1.1 pipelining: the responses come in the order of the requests, and a refusal of a
+    later head (431) comes after the responses owed to the earlier ones, never in their place."""
+    body = json.dumps({"images": [b64(NORMAL)], "top_k": 1}).encode()
+    one = _head("/v1/classify", len(body)) + body
+    with _connect(url) as s:
+        s.sendall(one + one + b"GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        raw = _read_until_closed(s)
+    assert re.findall(rb"HTTP/1.1 (\d+)", raw) == [b"200", b"200", b"200"]
+    limit = Settings().max_header_bytes
+    with _connect(url) as s:
+        try:
+            s.sendall(one + b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Long: " + b"a" * (limit + 1) + b"\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        raw = _read_until_closed(s)
+    assert re.findall(rb"HTTP/1.1 (\d+)", raw) == [b"200", b"431"], raw[:300]
+    first = raw.split(b"HTTP/1.1 431")[0]
+    assert b'"predictions"' in first  # the first request's own answer, whole
+
+
 def test_a_head_just_under_max_header_bytes_is_served(url):
     limit = Settings().max_header_bytes
     r = httpx.get(f"{url}/v1/models", headers={"x-pad": "a" * (limit - 1024)}, timeout=30)
