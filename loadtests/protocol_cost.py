@@ -88,7 +88,7 @@ async def measure(requests: int, rounds: int) -> dict:
     from server.settings import Settings
 
     s = Settings()
-    bounded = bounded_protocol(s.header_timeout_s, s.max_header_bytes, s.request_timeout_s, Metrics())
+    bounded = bounded_protocol(s.header_timeout_s, s.max_header_bytes, s.request_timeout_s, 10000, Metrics())
     times: dict[str, list[float]] = {"httptools": [], "bounded": []}
     for _ in range(rounds):
         for name, cls in (("httptools", HttpToolsProtocol), ("bounded", bounded)):

@@ -18,6 +18,12 @@ still being answered (HTTP pipelining) is only size-bounded here: uvicorn stops 
 complete, and the earlier request's own deadline bounds the wait. A refused pipelined head is
 answered after the responses owed to the earlier requests, so the client reads them in order.
 
+A connection opened while ``max_connections`` are open gets a JSON 503 with Retry-After at once
+(``too_many_connections``), so that a flood of idle connections meets a fast refusal, not a
+process out of file descriptors that stops accepting. Refusals close lingering: the answer, end
+of stream, then whatever the client still sends is dropped for ``LINGER_S``, so that its data
+arriving at a closed socket does not reset the connection before it has read the answer.
+
 A response bigger than the kernel's socket buffers waits in the transport until the client reads
 it; one still unread ``response_timeout_s`` after it was written (``softmoe serve`` passes
 ``request_timeout_s``) is dropped with the connection (``softmoe_errors_total{type="response_timeout"}``).
@@ -31,20 +37,29 @@ import logging
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .app import _ids  # request ids, reseeded in forked front ends
-from .errors import HeadersTooLarge, RequestTimeout, ServiceError
+from .errors import HeadersTooLarge, RequestTimeout, ServiceError, Unavailable
 from .metrics import DOOR, Metrics
 
 log = logging.getLogger("softmoe.server")
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
+LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped
+
+
+def default_max_connections() -> int:
+    """The open-file limit less 256 descriptors for the process's own files, at most 10000."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(16, min(10000, (soft if soft != resource.RLIM_INFINITY else 1 << 20) - 256))
 
 
 def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_timeout_s: float,
-                     metrics: Metrics) -> type[HttpToolsProtocol]:
+                     max_connections: int, metrics: Metrics) -> type[HttpToolsProtocol]:
     """The protocol class to give ``uvicorn.Config(http=...)``."""
 
     class BoundedHeadProtocol(HttpToolsProtocol):
         parser_name = "httptools"
-        limits = f"heads within {header_timeout_s:g} s and {max_header_bytes} bytes"
+        limits = f"heads within {header_timeout_s:g} s and {max_header_bytes} bytes, at most {max_connections} connections"
         _timer = None
         _waiting = False  # idle since the connection opened or the last response ended: the timer runs
         _started = False  # some byte of the awaited head has arrived
@@ -57,11 +72,17 @@ def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_ti
 
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            metrics.connections.set(len(self.connections))
+            if len(self.connections) > max_connections:
+                self._refuse(Unavailable(f"{max_connections} connections are open (max_connections); try again "
+                                         "shortly"), "too_many_connections")
+                return
             self._await_head()
 
         def connection_lost(self, exc) -> None:
             self._stop_timer()
             super().connection_lost(exc)
+            metrics.connections.set(len(self.connections))
 
         def data_received(self, data: bytes) -> None:
             if self._refusing:
@@ -166,12 +187,19 @@ def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_ti
             body = json.dumps(error.body()).encode()
             given = dict(getattr(self, "headers", None) or ()).get(b"x-request-id", b"")[:128]
             rid = given if given and given.decode("latin-1").isprintable() else b"%032x" % _ids.getrandbits(128)
+            extra = b"".join(b"%s: %s\r\n" % (k.lower().encode(), v.encode()) for k, v in error.headers.items()
+                             if k.lower() != "connection")
             head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                    b"x-request-id: %s\r\nconnection: close\r\n\r\n"
-                    % (error.status, _REASONS[error.status], len(body), rid))
+                    b"x-request-id: %s\r\n%sconnection: close\r\n\r\n"
+                    % (error.status, _REASONS[error.status], len(body), rid, extra))
             if not self.transport.is_closing():  # an earlier response may have closed the connection
+                # A lingering close: the answer, then end of stream, then what the client still sends is
+                # read and dropped for a moment, so its data arriving at a closed socket does not reset
+                # the connection (and destroy the answer) before the client has read it.
                 self.transport.write(head + body)
-                self.transport.close()
+                if self.transport.can_write_eof():
+                    self.transport.write_eof()
+                self._timer = self.loop.call_later(LINGER_S, self.transport.close)
             metrics.rejected.labels(DOOR, reason).inc()
             metrics.responses.labels(str(error.status)).inc()
             metrics.errors.labels(error.type).inc()

@@ -16,6 +16,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Every reason a request is refused before (or instead of) inference. Each series exists from the
 # first scrape at 0, so dashboards show 0 rather than "no data" and rate() works from the start.
 REJECT_REASONS = (
+    "too_many_connections",  # the open connection cap, before any request is read (503)
     "too_many_requests",  # the in-flight request cap, at the door (429)
     "body_budget",  # the in-flight body byte budget, at the door or while a chunked body arrives (429)
     "queue_full",  # the model's queue cannot take the request's items (429)
@@ -58,6 +59,8 @@ class Metrics:
         self.server_ready = Gauge("softmoe_server_ready", "1 while /v2/health/ready answers 200 (0 while draining)",
                                   registry=r)
         self.in_flight = Gauge("softmoe_requests_in_flight", "HTTP requests being handled", registry=r)
+        self.connections = Gauge("softmoe_connections_open", "HTTP connections open (--max-connections caps them)",
+                                 registry=r)
         self.rejected = Counter(
             "softmoe_requests_rejected_total", "Requests refused before inference", ["model", "reason"], registry=r,
         )

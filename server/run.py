@@ -214,11 +214,11 @@ def uvicorn_options(settings: Settings, metrics) -> dict:
     """What every uvicorn serving an app here is given (tests' live servers too): the HTTP protocol
     with bounded request heads (server.connection), no access log, and a graceful shutdown that
     outlasts the longest request."""
-    from .connection import bounded_protocol
+    from .connection import bounded_protocol, default_max_connections
 
     return dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False,
                 http=bounded_protocol(settings.header_timeout_s, settings.max_header_bytes, settings.request_timeout_s,
-                                          metrics),
+                                          settings.max_connections or default_max_connections(), metrics),
                 timeout_graceful_shutdown=max(30, settings.request_timeout_s + 5))
 
 

@@ -95,6 +95,11 @@ class Settings(BaseSettings):
         "connection opens or its previous response ends; past it the connection is closed (with a 408 when part "
         "of a head had arrived)",
     )
+    max_connections: int = Field(
+        0, ge=0,
+        description="open connections before a new one gets a JSON 503 with Retry-After at once (0: the process's "
+        "open-file limit less 256, at most 10000)",
+    )
     max_header_bytes: int = Field(
         65536, ge=4096,
         description="request line and headers of one request, in bytes (431 and the connection closed above)",

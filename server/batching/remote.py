@@ -330,7 +330,7 @@ class _Protocol(asyncio.Protocol):
 GAUGES = {
     "softmoe_queue_depth": "engine", "softmoe_queue_capacity": "engine", "softmoe_backend_info": "engine",
     "softmoe_worker_alive": "min_all", "softmoe_model_ready": "min_all", "softmoe_server_ready": "min",
-    "softmoe_requests_in_flight": "sum", "softmoe_requests_in_flight_bytes": "sum",
+    "softmoe_requests_in_flight": "sum", "softmoe_requests_in_flight_bytes": "sum", "softmoe_connections_open": "sum",
 }
 
 

@@ -265,3 +265,42 @@ def test_a_client_that_never_reads_its_response_is_dropped(url):
     assert got.startswith(b"HTTP/1.1 200") and len(got) < size  # cut off, not delivered
     _idle(url)
     _still_serves(url)
+
+
+# -------------------------------------------------------------------------------- connections
+
+
+def test_connections_past_max_connections_get_503_at_once_and_the_rest_still_serve():
+    """Counted in-process (the registry's own values), so no scrape opens a connection of its own."""
+    limit = 4
+    app = create_app(Settings(max_connections=limit, header_timeout_s=30))
+    value = app.state.metrics.registry.get_sample_value
+
+    def settle(expected: int) -> None:
+        for _ in range(200):
+            if value("softmoe_connections_open") == expected:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"open connections never settled at {expected}: {value('softmoe_connections_open')}")
+
+    refused = {"model": "none", "reason": "too_many_connections"}
+    with live_server(app) as u:
+        settle(0)
+        before = value("softmoe_requests_rejected_total", refused)
+        held = [_connect(u) for _ in range(limit)]
+        try:
+            settle(limit)
+            with _connect(u) as extra:  # one over the limit: answered before it sends anything
+                extra.sendall(b"GET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n")
+                status, headers, body = _response(_read_until_closed(extra))
+            assert status == 503 and headers["retry-after"] == "1" and headers["connection"] == "close"
+            assert body["error"]["type"] == "unavailable" and "max_connections" in body["error"]["message"]
+            for s in held:  # the connections within the limit are served
+                s.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: t\r\n\r\n")
+                assert _read_one_response(s).startswith(b"HTTP/1.1 200")
+        finally:
+            for s in held:
+                s.close()
+        settle(0)
+        assert value("softmoe_requests_rejected_total", refused) == before + 1
+        _still_serves(u)
