@@ -41,8 +41,10 @@ def _coerce(fields: dict[str, list[str]], model: type[BaseModel]) -> dict[str, A
                     raise BadRequest(f"{key}: invalid JSON array", param=key) from None
             else:
                 out[key] = values
+        elif len(values) > 1:
+            raise Unprocessable(f"field {key!r} given {len(values)} times; it takes one value", param=key)
         else:
-            out[key] = values[-1]
+            out[key] = values[0]
     return out
 
 
@@ -91,7 +93,12 @@ def _from_json(body: bytes, query: dict[str, list[str]], model: type[M], image_f
     payload = loads(body)
     if not isinstance(payload, dict):
         raise Unprocessable("request body must be a JSON object")
-    payload = {**_coerce(query, model), **payload} if query else payload
+    if query:
+        both = sorted(set(query) & set(payload))
+        if both:
+            raise Unprocessable(f"field(s) {both} given both as query parameters and in the JSON body; give each once",
+                                param=both[0])
+        payload = {**_coerce(query, model), **payload}
     images = payload.get(image_field)
     if isinstance(images, list) and len(images) > max_images:  # before validating or decoding any of them
         raise Unprocessable(f"{len(images)} images in one request; the limit is {max_images}", param=image_field)

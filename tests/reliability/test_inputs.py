@@ -371,3 +371,27 @@ def test_urls_are_rejected_and_never_fetched(url, ref):
     assert r.status_code == 422 and "not fetched" in r.json()["error"]["message"]
     assert r2.status_code in (200, 422)  # a non-data-URI string is text for /v1/embeddings, never a URL
     assert attempts == []
+
+
+@pytest.mark.parametrize("how", ["query twice", "form twice", "query and form", "query and JSON"])
+def test_a_field_given_twice_is_422_not_one_of_them_silently(url, how):
+    """``top_k`` (or ``model``) given two ways or twice: refused, naming the field; before, the
+    last value (or the JSON body's) won without a word."""
+    image = _digit_png()
+    files = [("images", ("a.png", image, "image/png"))]
+    if how == "query twice":
+        r = httpx.post(f"{url}/v1/classify?top_k=1&top_k=2", content=image, headers={"content-type": "image/png"},
+                       timeout=30)
+    elif how == "form twice":
+        r = httpx.post(f"{url}/v1/classify", files=files, data={"top_k": ["1", "2"]}, timeout=30)
+    elif how == "query and form":
+        r = httpx.post(f"{url}/v1/classify?top_k=1", files=files, data={"top_k": "2"}, timeout=30)
+    else:
+        r = httpx.post(f"{url}/v1/classify?model=digits", json={"model": "digits-lit", "images": [b64(image)]},
+                       timeout=30)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["param"] in ("top_k", "model") and err["param"] in err["message"], err
+    # Given once, each way works.
+    assert httpx.post(f"{url}/v1/classify?top_k=2", files=files, timeout=30).json()["results"][0]["predictions"][1]
+    assert httpx.post(f"{url}/v1/classify?model=digits", json={"images": [b64(image)]}, timeout=30).status_code == 200
