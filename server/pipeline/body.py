@@ -42,15 +42,29 @@ def inflate(raw: bytes, encoding: str, limit: int) -> bytes:
     return out
 
 
+class DuplicateKey(Exception):
+    """A JSON object names a key twice (RFC 8259 leaves the meaning open: refused, not last-wins)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
 def loads(raw: bytes) -> object:
-    """JSON -> Python; 400 for invalid JSON, absurd nesting or giant numbers.
+    """JSON -> Python; 400 for invalid JSON, a key twice in one object, absurd nesting or giant numbers.
 
     Nesting is bounded by the C decoder's recursion guard (Python's recursion limit, ~1000
     levels: a RecursionError here, turned into 400); the shapes of what parses are then checked
     by the request schemas. Integers are bounded by Python's 4300-digit conversion limit.
     """
     try:
-        return json.loads(raw)
+        return json.loads(raw, object_pairs_hook=_unique_keys)
+    except DuplicateKey as e:
+        raise BadRequest(f"request body has a JSON object with the key {e.args[0]!r} twice", param=e.args[0][:100]) from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise BadRequest("request body is not valid JSON") from None
     except RecursionError:

@@ -395,3 +395,19 @@ def test_a_field_given_twice_is_422_not_one_of_them_silently(url, how):
     # Given once, each way works.
     assert httpx.post(f"{url}/v1/classify?top_k=2", files=files, timeout=30).json()["results"][0]["predictions"][1]
     assert httpx.post(f"{url}/v1/classify?model=digits", json={"images": [b64(image)]}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/classify", "/v1/embeddings", "/v2/models/digits/infer"])
+def test_a_json_key_given_twice_is_400_naming_it(url, path):
+    image = b64(_digit_png())
+    body = {
+        "/v1/classify": f'{{"images": ["{image}"], "top_k": 1, "top_k": 3}}',
+        "/v1/embeddings": '{"model": "digits-lit", "input": "seven", "model": "digits"}',
+        "/v2/models/digits/infer": '{"inputs": [{"name": "pixel_values", "name": "x", "shape": [1, 3, 8, 8], '
+                                   '"datatype": "FP32", "data": [' + ", ".join(["0.0"] * 192) + ']}]}',
+    }[path]
+    r = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    message = err if isinstance(err, str) else err["message"]
+    assert "twice" in message and ("top_k" in message or "model" in message or "name" in message), message
