@@ -49,6 +49,8 @@ def cases() -> dict[str, dict]:
         "JSON nested 10^6 deep (refused)": dict(content=b"[" * 1_000_000, headers={"content-type": "application/json"}),
         "gzip inflating to 64 MiB (refused)": dict(content=gzip.compress(b"[" + b" " * (64 << 20) + b"]"),
                                                    headers={"content-type": "application/json", "content-encoding": "gzip"}),
+        "16 MB of tiny JSON objects (refused)": dict(content=b"[" + b'{"a":1},' * 2_000_000 + b"0]",
+                                                     headers={"content-type": "application/json"}),
         "3 flat 16-bit PNGs, 25.2 MP (at the pixel budget)": dict(json={"images": [b64(flat16)] * 3}),
     }
 

@@ -17,5 +17,5 @@ def test_budget_cost_runs_and_refuses_the_hostile_cases():
     rows = {line[:52].strip(): line[52:].split() for line in r.stdout.splitlines()[1:] if line.strip()}
     statuses = {name: int(cols[0]) for name, cols in rows.items()}
     refused = {name: s for name, s in statuses.items() if "(refused)" in name}
-    assert len(refused) == 5 and all(400 <= s < 500 for s in refused.values()), statuses
+    assert len(refused) == 6 and all(400 <= s < 500 for s in refused.values()), statuses
     assert statuses["3 flat 16-bit PNGs, 25.2 MP (at the pixel budget)"] == 200
