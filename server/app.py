@@ -53,6 +53,7 @@ ERROR_TYPES = ("invalid_request", "not_found", "payload_too_large", "unsupported
                "http_error", "request_timeout", "headers_too_large", "response_timeout")
 STATUSES = (200, 400, 404, 405, 408, 413, 415, 422, 429, 431, 499, 500, 503, 504)
 EXEMPT = ("/v2/health", "/metrics")
+BODY_GRACE_S = 2.0  # a body starts late by this much before --min-body-rate counts
 # Request ids (uuid4's format, 32 hex digits) from a PRNG seeded by the OS, reseeded in forked children:
 # uuid.uuid4() reads os.urandom, a system call that gives up the GIL on the event loop's thread on
 # every request. The ids name requests in logs and traces; they are not secrets.
@@ -141,10 +142,17 @@ class Observe:
                     nonlocal received, reserved, body_done
                     if body_done:  # after the body only a disconnect can come: wait for it unbounded
                         return await receive()
+                    deadline = start + settings.request_timeout_s
+                    by_rate = (start + BODY_GRACE_S + received / settings.min_body_rate if settings.min_body_rate
+                               else deadline)
                     try:
-                        message = await _within(receive(), start + settings.request_timeout_s - time.perf_counter())
+                        message = await _within(receive(), min(deadline, by_rate) - time.perf_counter())
                     except asyncio.TimeoutError:
                         metrics.rejected.labels(DOOR, "slow_client").inc()
+                        if by_rate < deadline:
+                            raise RequestTimeout(
+                                f"the request body is arriving slower than {settings.min_body_rate} bytes/s "
+                                f"(min_body_rate; {received} bytes in {time.perf_counter() - start:.1f} s)") from None
                         raise RequestTimeout(f"the request body did not arrive within {settings.request_timeout_s:g} s "
                                              f"(request_timeout_s; {received} bytes came)") from None
                     if message["type"] == "http.request":

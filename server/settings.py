@@ -95,6 +95,12 @@ class Settings(BaseSettings):
         "connection opens or its previous response ends; past it the connection is closed (with a 408 when part "
         "of a head had arrived)",
     )
+    min_body_rate: int = Field(
+        65536, ge=0,
+        description="bytes per second a request body must average, counted from its head with 2 s of grace; "
+        "slower, it gets 408 and the connection is closed, so a client trickling a body holds its admission place "
+        "for seconds, not for the whole request_timeout_s (0: only the deadline)",
+    )
     max_connections: int = Field(
         0, ge=0,
         description="open connections before a new one gets a JSON 503 with Retry-After at once (0: the process's "

@@ -177,7 +177,7 @@ def test_multipart_at_the_limit_is_parsed_in_memory(url, monkeypatch):
 
 
 def test_in_flight_byte_budget_is_a_reservation_at_the_door():
-    settings = Settings(max_in_flight_bytes=256 * 1024, max_body_bytes=200 * 1024)
+    settings = Settings(max_in_flight_bytes=256 * 1024, max_body_bytes=200 * 1024, min_body_rate=0)  # the slow client stays
     app = create_app(settings)
     with live_server(app) as u:
         host, port = u.removeprefix("http://").split(":")

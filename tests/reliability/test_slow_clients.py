@@ -25,7 +25,7 @@ from server.app import create_app
 from server.settings import Settings
 
 NORMAL = png(np.random.default_rng(1).integers(0, 256, (8, 8), dtype=np.uint8))
-HEADER_TIMEOUT_S = 1.0
+HEADER_TIMEOUT_S = 0.5
 REQUEST_TIMEOUT_S = 4.0
 GIVE_UP_S = 60.0  # a socket read this long means the server did not enforce its bound: the test fails
 
@@ -111,7 +111,7 @@ def _head(path: str, length: int, extra: bytes = b"") -> bytes:
 # ------------------------------------------------------------------------------------- bodies
 
 
-def test_a_body_that_stops_gets_408_at_the_deadline_and_frees_its_place(url):
+def test_a_body_that_stops_gets_408_and_frees_its_place(url):
     before = _metric(url, "softmoe_requests_rejected_total", model="none", reason="slow_client")
     with _connect(url) as s:
         s.sendall(_head("/v1/classify", 1000) + b"{")
@@ -119,23 +119,26 @@ def test_a_body_that_stops_gets_408_at_the_deadline_and_frees_its_place(url):
     assert status == 408
     assert headers["connection"] == "close" and headers.get("x-request-id")
     assert body["error"]["type"] == "request_timeout"
-    assert "request_timeout_s" in body["error"]["message"] and "1 bytes came" in body["error"]["message"]
+    assert "min_body_rate" in body["error"]["message"] and "1 bytes in" in body["error"]["message"]
     assert _metric(url, "softmoe_requests_rejected_total", model="none", reason="slow_client") == before + 1
     _idle(url)
     _still_serves(url)
 
 
-def test_a_trickled_body_is_bounded_by_the_deadline_not_per_read(url):
-    """One byte every 0.1 s keeps every single read short; the request's deadline still ends it."""
+def _trickle(url: str, declared: int, piece: bytes, every_s: float) -> bytes:
+    """Send a head declaring ``declared`` bytes, then ``piece`` every ``every_s`` until the server answers."""
     with _connect(url) as s:
-        s.sendall(_head("/v1/classify", 100_000) + b"{")
-        s.settimeout(0.1)
+        s.sendall(_head("/v1/classify", declared) + b"{")
+        s.settimeout(every_s)
         raw = b""
-        for _ in range(int(GIVE_UP_S / 0.1)):
+        for _ in range(int(GIVE_UP_S / every_s)):
             try:
                 chunk = s.recv(65536)
             except socket.timeout:
-                s.sendall(b" ")
+                try:
+                    s.sendall(piece)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
                 continue
             except ConnectionResetError:
                 break
@@ -144,8 +147,23 @@ def test_a_trickled_body_is_bounded_by_the_deadline_not_per_read(url):
             raw += chunk
         else:
             pytest.fail("the server kept reading a trickled body")
-    status, _, body = _response(raw)
+    return raw
+
+
+def test_a_trickled_body_under_min_body_rate_gets_408(url):
+    """A byte every 0.1 s keeps every single read short; the body's average rate ends it."""
+    status, _, body = _response(_trickle(url, 100_000, b" ", 0.1))
     assert status == 408 and body["error"]["type"] == "request_timeout", body
+    assert "min_body_rate" in body["error"]["message"], body
+    _idle(url)
+
+
+def test_a_body_above_min_body_rate_is_still_bounded_by_the_deadline(url):
+    """32 KiB every 0.05 s (about 640 KiB/s, ten times the 64 KiB/s minimum) of a declared 15 MiB
+    body would take 24 s: the request's deadline ends it."""
+    status, _, body = _response(_trickle(url, 15 << 20, b" " * 32768, 0.05))
+    assert status == 408 and body["error"]["type"] == "request_timeout", body
+    assert "request_timeout_s" in body["error"]["message"], body
     _idle(url)
 
 
@@ -154,7 +172,7 @@ def test_a_body_slower_than_the_head_timeout_but_inside_the_deadline_is_served(u
     body = json.dumps({"images": [b64(NORMAL)], "top_k": 1}).encode()
     with _connect(url) as s:
         s.sendall(_head("/v1/classify", len(body), b"Connection: close\r\n"))
-        time.sleep(HEADER_TIMEOUT_S * 2)  # well past the head timeout, well inside REQUEST_TIMEOUT_S
+        time.sleep(HEADER_TIMEOUT_S * 2)  # past the head timeout; inside the body's grace and the deadline
         s.sendall(body)
         raw = _read_until_closed(s)
     status, _, out = _response(raw)
