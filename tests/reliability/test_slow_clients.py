@@ -9,7 +9,6 @@ server's answer (or its closing the connection), then checks what came and the c
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import socket
