@@ -21,8 +21,9 @@ answered after the responses owed to the earlier requests, so the client reads t
 A connection opened while ``max_connections`` are open gets a JSON 503 with Retry-After at once
 (``too_many_connections``), so that a flood of idle connections meets a fast refusal, not a
 process out of file descriptors that stops accepting. Refusals close lingering: the answer, end
-of stream, then whatever the client still sends is dropped for ``LINGER_S``, so that its data
-arriving at a closed socket does not reset the connection before it has read the answer.
+of stream, then whatever the client still sends is dropped for ``LINGER_S`` (``CAP_LINGER_S`` over
+the connection cap, where the descriptors left are few), so that its request arriving at a closed
+socket does not reset the connection before it has read the answer.
 
 A response bigger than the kernel's socket buffers waits in the transport until the client reads
 it; one still unread ``response_timeout_s`` after it was written (``softmoe serve`` passes
@@ -43,6 +44,7 @@ from .metrics import DOOR, Metrics
 log = logging.getLogger("softmoe.server")
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped
+CAP_LINGER_S = 0.25  # the same for a connection over max_connections (a request sent on connecting)
 
 
 def default_max_connections() -> int:
@@ -196,10 +198,12 @@ def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_ti
                 # A lingering close: the answer, then end of stream, then what the client still sends is
                 # read and dropped for a moment, so its data arriving at a closed socket does not reset
                 # the connection (and destroy the answer) before the client has read it.
+                # Over the connection cap the linger is short: the descriptors past the cap are the few left.
                 self.transport.write(head + body)
                 if self.transport.can_write_eof():
                     self.transport.write_eof()
-                self._timer = self.loop.call_later(LINGER_S, self.transport.close)
+                linger = CAP_LINGER_S if reason == "too_many_connections" else LINGER_S
+                self._timer = self.loop.call_later(linger, self.transport.close)
             metrics.rejected.labels(DOOR, reason).inc()
             metrics.responses.labels(str(error.status)).inc()
             metrics.errors.labels(error.type).inc()
