@@ -73,7 +73,9 @@ class Observe:
     between check and take): one in-flight place and the body's declared bytes against
     ``max_in_flight`` and ``max_in_flight_bytes``; a chunked body reserves its bytes as they
     arrive. Bodies over ``max_body_bytes`` get 413: from Content-Length before reading, else as
-    soon as the count passes the limit.
+    soon as the count passes the limit. A body must arrive before the request's deadline and at
+    ``min_body_rate`` on average after ``BODY_GRACE_S``; a slower one gets 408 and the connection
+    is closed, which frees its place and its bytes (request heads are bounded in server.connection).
     """
 
     def __init__(self, app: ASGIApp, state, metrics: Metrics, settings: Settings) -> None:
