@@ -27,6 +27,8 @@ object with every ratio):
              its --package DIR): images/s at saturation and p50 at concurrency 1.
   protocol   The HTTP protocol's own CPU per request, bounded request heads (server.connection) vs
              uvicorn's httptools, without network or model (loadtests/protocol_cost.py).
+  attack     Legitimate requests/s with and without 200 slow clients (trickled bodies and heads, idle
+             connections) reconnecting as soon as they are cut off (loadtests/attack_bench.py).
   layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
              eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
@@ -392,11 +394,11 @@ GOALS = {  # key: (comparison, target)
     "routing_stats_on_vs_off": (">=", 0.98),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "layers", "gpu")
+            "attack", "layers", "gpu")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loadtests import decode_nice_bench, invariance_bench, peers_bench, protocol_cost
+    from loadtests import attack_bench, decode_nice_bench, invariance_bench, peers_bench, protocol_cost
 
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="softmoe-serve benchmarks (ratios measured side by side)")
@@ -431,6 +433,7 @@ def main(argv: list[str] | None = None) -> None:
             "invariance": lambda: invariance_bench.section(mode),
             "decode_nice": lambda: decode_nice_bench.section(mode),
             "protocol": lambda: protocol_cost.section(mode),
+            "attack": lambda: attack_bench.section(mode),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

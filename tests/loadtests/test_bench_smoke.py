@@ -34,6 +34,8 @@ KEYS = (
     "decode_nice_throughput_ratio", "decode_nice_c1_p50_ratio",
     # bounded request heads vs uvicorn's httptools
     "protocol_added_us_per_request", "protocol_bounded_over_httptools",
+    # legitimate traffic with and without slow clients attacking
+    "attack_throughput_ratio", "attack_errors", "attack_clients_cut",
     # routing statistics on vs off
     "routing_stats_on_vs_off", "routing_stats_on_vs_off_paired", "routing_stats_every_call_vs_off",
     # the run
