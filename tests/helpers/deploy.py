@@ -3,12 +3,19 @@ config, and the labels every scraped series may carry."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+OVERLAYS = ["gpu", "cpu", "cpu-hpa-fallback"]
+
+# deploy/render.py (the kustomize renderer the tests use) is a script, not a package module.
+_spec = importlib.util.spec_from_file_location("softmoe_deploy_render", DEPLOY / "render.py")
+render = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render)
 
 # Labels every scraped series carries besides its own: Prometheus target labels and those the
 # prometheus-operator ServiceMonitor scrape adds in Kubernetes.
@@ -37,3 +44,24 @@ def dashboard_targets(dash: dict) -> list[tuple[str, str]]:
         for sub in [p, *p.get("panels", [])]:
             out += [(sub["title"], t["expr"]) for t in sub.get("targets", [])]
     return out
+
+
+def by_kind(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"{len(found)} {kind} resources"
+    return found[0]
+
+
+def container(docs: list[dict]) -> dict:
+    (c,) = by_kind(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def env_of(docs: list[dict]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container(docs).get("env", [])}
+
+
+def render_overlay(request) -> tuple[str, list[dict]]:
+    """(overlay name, its rendered resources): a test module's ``rendered`` fixture, as
+    ``rendered = pytest.fixture(scope="module", params=OVERLAYS)(render_overlay)``."""
+    return request.param, render.build(DEPLOY / "overlays" / request.param)
