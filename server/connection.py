@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -42,7 +43,6 @@ from .errors import HeadersTooLarge, RequestTimeout, ServiceError, Unavailable
 from .metrics import DOOR, Metrics
 
 log = logging.getLogger("softmoe.server")
-_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large", 503: b"Service Unavailable"}
 LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped
 CAP_LINGER_S = 0.25  # the same for a connection over max_connections (a request sent on connecting)
 
@@ -193,7 +193,7 @@ def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_ti
                              if k.lower() != "connection")
             head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                     b"x-request-id: %s\r\n%sconnection: close\r\n\r\n"
-                    % (error.status, _REASONS[error.status], len(body), rid, extra))
+                    % (error.status, HTTPStatus(error.status).phrase.encode(), len(body), rid, extra))
             if not self.transport.is_closing():  # an earlier response may have closed the connection
                 # A lingering close: the answer, then end of stream, then what the client still sends is
                 # read and dropped for a moment, so its data arriving at a closed socket does not reset

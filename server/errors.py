@@ -33,27 +33,28 @@ class NotFound(ServiceError):
     status, type = 404, "not_found"
 
 
-class RequestTimeout(ServiceError):
-    """The client did not send its whole request in time (its head within ``header_timeout_s``, its
-    body before the request's deadline): 408, and the connection is closed."""
-
-    status, type = 408, "request_timeout"
+class ClosesConnection(ServiceError):
+    """An error after which the rest of the client's request is not read: the connection closes."""
 
     def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message, param=param, headers={"Connection": "close", **(headers or {})})
+
+
+class RequestTimeout(ClosesConnection):
+    """The client did not send its whole request in time (its head within ``header_timeout_s``, its
+    body at ``min_body_rate`` and before the request's deadline): 408."""
+
+    status, type = 408, "request_timeout"
 
 
 class PayloadTooLarge(ServiceError):
     status, type = 413, "payload_too_large"
 
 
-class HeadersTooLarge(ServiceError):
-    """A request head over ``max_header_bytes``: 431, and the connection is closed."""
+class HeadersTooLarge(ClosesConnection):
+    """A request head over ``max_header_bytes``: 431."""
 
     status, type = 431, "headers_too_large"
-
-    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message, param=param, headers={"Connection": "close", **(headers or {})})
 
 
 class UnsupportedMediaType(ServiceError):

@@ -25,7 +25,7 @@ REJECT_REASONS = (
     "cancelled",  # its client left: dropped before compute
     "client_disconnected",  # its client left while it waited
     "draining",  # shutting down (503)
-    "slow_client",  # a head not complete within header_timeout_s, or a body not arrived by the deadline (408)
+    "slow_client",  # a head past header_timeout_s, a body under min_body_rate or past the deadline (408)
 )
 ENDPOINTS = ("classify", "embed", "zero_shot", "embeddings", "oip_infer", "routing")
 # Normalised entropies lie in [0, 1] (1: uniform); trained Soft MoE routing sits mostly near the top.
