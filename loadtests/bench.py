@@ -1,6 +1,7 @@
 """`make bench`: every performance claim as a ratio measured side by side in one run.
 
     python -m loadtests.bench [--quick | --smoke] [--skip LIST] [--peers-python PY] [--peers-model NAME]
+        [--peers-ours-variant loose|concurrent2]
 
 Sections, in the order they run (each prints its table; the last line of the run is one JSON
 object with every ratio):
@@ -16,7 +17,8 @@ object with every ratio):
              (loadtests/noop_server.py), requests/s and images/s per process and per CPU-second,
              1 process vs N independent processes (N = the CPUs, at least 2).
   peers      The same exported ONNX graph with the same batching limits, decode and threads behind
-             `softmoe serve --backend onnxruntime` (and with --no-strict-determinism), LitServe and
+             `softmoe serve --backend onnxruntime` (and a second ours: --no-strict-determinism, or
+             --concurrent-batches 2 with --peers-ours-variant concurrent2), LitServe and
              Ray Serve (loadtests/peers/; the section is loadtests/peers_bench.py): throughput at
              saturation and p50/p99 at concurrency 1, as ratios to ours. A peer whose package does not import under --peers-python is skipped
              (its keys are absent). Servers start one at a time; one whose expected footprint
@@ -29,6 +31,8 @@ object with every ratio):
              uvicorn's httptools, without network or model (loadtests/protocol_cost.py).
   attack     Legitimate requests/s with and without 200 slow clients (trickled bodies and heads, idle
              connections) reconnecting as soon as they are cut off (loadtests/attack_bench.py).
+  concurrent `--concurrent-batches 2` vs 1 on soft-s16-e128 at max batch 8: throughput at saturation
+             and p50 at concurrency 1 (loadtests/concurrent_bench.py).
   layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
              eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
@@ -394,11 +398,12 @@ GOALS = {  # key: (comparison, target)
     "routing_stats_on_vs_off": (">=", 0.98),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "attack", "layers", "gpu")
+            "attack", "concurrent", "layers", "gpu")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loadtests import attack_bench, decode_nice_bench, invariance_bench, peers_bench, protocol_cost
+    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, invariance_bench, peers_bench,
+                           protocol_cost)
 
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="softmoe-serve benchmarks (ratios measured side by side)")
@@ -412,6 +417,9 @@ def main(argv: list[str] | None = None) -> None:
                         "project; default: $SOFTMOE_PEERS_PYTHON, else this one)")
     parser.add_argument("--peers-model", default="digits", help="model of the peers section: digits (the shipped "
                         "package) or a variant to `softmoe init`, e.g. vit-s16")
+    parser.add_argument("--peers-ours-variant", default="loose", choices=sorted(peers_bench.OURS_VARIANTS),
+                        help="our second server in the peers section: loose (--no-strict-determinism) or concurrent2 "
+                        "(--concurrent-batches 2)")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     if skip - set(SECTIONS):
@@ -429,11 +437,13 @@ def main(argv: list[str] | None = None) -> None:
             "serving": lambda: section_serving(mode, Path(tmp)),
             "frontend": lambda: section_frontend(mode),
             "routing": lambda: section_routing(mode),
-            "peers": lambda: peers_bench.section(mode, Path(tmp), args.peers_python, args.peers_model),
+            "peers": lambda: peers_bench.section(mode, Path(tmp), args.peers_python, args.peers_model,
+                                                 args.peers_ours_variant),
             "invariance": lambda: invariance_bench.section(mode),
             "decode_nice": lambda: decode_nice_bench.section(mode),
             "protocol": lambda: protocol_cost.section(mode),
             "attack": lambda: attack_bench.section(mode),
+            "concurrent": lambda: concurrent_bench.section(mode, Path(tmp)),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

@@ -30,8 +30,15 @@ def _importable(python: str, module: str) -> bool:
     return r.returncode == 0
 
 
-def section(mode: str, workdir: Path, python: str, model: str) -> dict[str, float | str]:
-    """The peers section of loadtests/bench.py (see its docstring); the last JSON line's peer keys."""
+# Our second server beside the peers (``--peers-ours-variant``): its flags, after our defaults.
+# concurrent2 without the routing graph (the peers have none either): its weights once, so that on
+# soft-s16-e128 it fits beside the others in 23 GB (routing statistics cost 0-2%: the routing section).
+OURS_VARIANTS = {"loose": ["--no-strict-determinism"], "concurrent2": ["--concurrent-batches", "2", "--no-routing"]}
+
+
+def section(mode: str, workdir: Path, python: str, model: str, variant: str = "loose") -> dict[str, float | str]:
+    """The peers section of loadtests/bench.py (see its docstring); the last JSON line's peer keys.
+    ``variant``: our second server, ``ours_<variant>`` (``OURS_VARIANTS``)."""
     available = [name for name, (module, _) in PEERS.items() if _importable(python, module)]
     skipped = sorted(set(PEERS) - set(available))
     if skipped:
@@ -76,15 +83,18 @@ def section(mode: str, workdir: Path, python: str, model: str) -> dict[str, floa
                 port = free_port()
                 return Child([python, "-m", PEERS[name][1], *peer_flags, "--port", str(port)], port, env)
             starts[name] = start
-        # Ours without strict determinism too, last: it tells how much of a gap at concurrency 1 is
-        # the padding, and it is the one left out where memory is short.
-        starts["ours_loose"] = lambda: ServerProcess(shlex.join([*ours, "--no-strict-determinism"]),
-                                                     Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
+        # Ours with other flags too, last, the one left out where memory is short: without strict
+        # determinism (loose) it tells how much of a gap at concurrency 1 is the padding;
+        # concurrent2 runs two batches at once.
+        second = f"ours_{variant}"
+        starts[second] = lambda: ServerProcess(shlex.join([*ours, *OURS_VARIANTS[variant]]),
+                                               Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
         # One at a time, each ready before the next starts: start-up peaks (export checks, the
         # proofs) never add up. A server whose expected footprint does not fit what is left is
         # not started: ours holds the plain and the routing graph (2x the weights), a peer one.
         for name, start in starts.items():
-            need, free = (2 if name.startswith("ours") else 1) * weights + (1 << 30), mem_available()
+            copies = 2 if name == "ours" or (name == second and "--no-routing" not in OURS_VARIANTS[variant]) else 1
+            need, free = copies * weights + (1 << 30), mem_available()
             if name != "ours" and free < need:
                 skipped_memory.append(name)
                 print(f"peers: {name} not started: it needs about {need / 2**30:.1f} GiB, "
@@ -112,8 +122,8 @@ def section(mode: str, workdir: Path, python: str, model: str) -> dict[str, floa
         print(f"peers side by side: {model} ({onnx.name}), ONNX Runtime CPU, {threads} intra-op threads, max batch "
               f"{batch}, max delay {delay:g} ms, 640x480 JPEGs as base64 JSON, the server's decode+preprocess; ours = "
               f"`softmoe serve --backend onnxruntime` defaults (strict determinism; {proven_line(servers['ours'])}), "
-              f"ours_loose = the same with --no-strict-determinism; {conc} clients at saturation; the other servers frozen in each window; median of windows:")
-        print(f"  {'server':10} {'req/s sat.':>10} {'c1 p50 ms':>10} {'c1 p99 ms':>10} {'vs ours: tput':>14} "
+              f"{second} = the same with {' '.join(OURS_VARIANTS[variant])}; {conc} clients at saturation; the other servers frozen in each window; median of windows:")
+        print(f"  {'server':16} {'req/s sat.':>10} {'c1 p50 ms':>10} {'c1 p99 ms':>10} {'vs ours: tput':>14} "
               f"{'p50':>6} {'p99':>6}")
         out: dict[str, float | str] = {"peers": ",".join(n for n in available if n in servers), "peers_model": model,
                                        "peers_ours_rps": round(tput["ours"], 1), "peers_ours_c1_p50_ms": round(p50["ours"], 2),
@@ -122,10 +132,10 @@ def section(mode: str, workdir: Path, python: str, model: str) -> dict[str, floa
             out["peers_skipped_memory"] = ",".join(skipped_memory)
         for name in servers:
             ratios = (tput[name] / tput["ours"], p50[name] / p50["ours"], p99[name] / p99["ours"])
-            print(f"  {name:10} {tput[name]:10.1f} {p50[name]:10.2f} {p99[name]:10.2f} {ratios[0]:14.2f} "
+            print(f"  {name:16} {tput[name]:10.1f} {p50[name]:10.2f} {p99[name]:10.2f} {ratios[0]:14.2f} "
                   f"{ratios[1]:6.2f} {ratios[2]:6.2f}")
             if name != "ours":
-                prefix = "peers_ours_loose" if name == "ours_loose" else f"peer_{name}"
+                prefix = f"peers_{name}" if name == second else f"peer_{name}"
                 out[f"{prefix}_throughput_ratio"] = round(ratios[0], 3)
                 out[f"{prefix}_c1_p50_ratio"] = round(ratios[1], 3)
                 out[f"{prefix}_c1_p99_ratio"] = round(ratios[2], 3)

@@ -248,7 +248,7 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         names = [m.name for m in loaded]
         if len(set(names)) != len(names):
             raise RuntimeError(f"two models share a name: {names}")
-        batcher = given_batcher if given_batcher is not None else Batcher(settings.device, metrics)
+        batcher = given_batcher if given_batcher is not None else Batcher(settings.device, metrics, workers=settings.concurrent_batches)
         for m in loaded:
             metrics.model_ready.labels(m.name).set(0)
             metrics.init_model(m.name)

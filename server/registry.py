@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,7 @@ from softmoe_models.package import read_package
 from softmoe_models.preprocess import PreprocessConfig
 from softmoe_models.tokenizer import Tokenizer
 
-from .backends.base import PIXELS, ROUTING, Backend
+from .backends.base import PIXELS, ROUTING, Backend, all_functions
 from .batching.batcher import Batcher, ModelQueue
 from .metrics import Metrics
 from .settings import Settings
@@ -47,9 +49,13 @@ class RoutingState:
         the worker; the rows of padding are dropped by the batcher like any output row."""
         names = backend.functions[self.plain].outputs
 
+        lock = threading.Lock()  # concurrent batches: workers share the count
+
         def run(rows):
-            self.calls += 1
-            if not self.sample or self.calls % self.sample:
+            with lock:
+                self.calls += 1
+                sampled = bool(self.sample) and self.calls % self.sample == 0
+            if not sampled:
                 return call(rows)
             if self.shared:
                 out = backend.run(ROUTING, rows)
@@ -201,17 +207,36 @@ def _check_pixel_transfer(settings: Settings) -> None:
         )
 
 
+def _check_concurrency(settings: Settings) -> None:
+    if settings.concurrent_batches > 1 and (settings.device != "cpu" or settings.backend == "tensorrt"):
+        raise ModelLoadError(
+            f"--concurrent-batches {settings.concurrent_batches} runs CPU backends only (not verified on a GPU, "
+            f"where one engine's calls share a stream); use --concurrent-batches 1 with --device {settings.device}"
+            + (" --backend tensorrt" if settings.backend == "tensorrt" else "")
+        )
+
+
+def backend_threads(settings: Settings) -> int:
+    """Intra-op threads of one backend call: ``--threads`` (0: the backend's default, the CPUs
+    available), divided among ``--concurrent-batches`` (at least 1 each)."""
+    if settings.concurrent_batches == 1:
+        return settings.threads
+    total = settings.threads or len(os.sched_getaffinity(0))
+    return max(1, total // settings.concurrent_batches)
+
+
 def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
     from .backends.cuda import resolve_precision
 
     _check_pixel_transfer(settings)
+    _check_concurrency(settings)
 
     precision = resolve_precision(settings.backend, settings.device, settings.precision)
     if settings.backend == "torch":
         from .backends.torch_backend import TorchBackend
 
         return TorchBackend(path, device=settings.device, precision=precision,
-                            max_batch_size=settings.max_batch_size, threads=settings.threads,
+                            max_batch_size=settings.max_batch_size, threads=backend_threads(settings),
                             cuda_graphs=settings.cuda_graphs, pinned_staging=settings.pinned_staging,
                             routing=settings.routing, pixel_transfer=settings.pixel_transfer,
                             batch_invariant=settings.strict_determinism and settings.proven_shapes)
@@ -221,7 +246,7 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
         files = exported_files(path, settings.cache_dir, precision, log=log, device=settings.device,
                                routing=settings.routing)
         return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
-                                  threads=settings.threads, cuda_graph=settings.ort_cuda_graph,
+                                  threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
                                   routing=settings.routing)
     from .backends.tensorrt_backend import TensorRTBackend
 
@@ -238,6 +263,7 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
     if settings.backend != "onnxruntime":
         raise ModelLoadError(f"{path}: an .onnx file is served with --backend onnxruntime")
     _check_pixel_transfer(settings)
+    _check_concurrency(settings)
     meta = read_metadata(path)
     if not meta.get("graph"):
         raise ModelLoadError(f"{path}: not exported by `softmoe export onnx` (no softmoe.* metadata)")
@@ -252,7 +278,7 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
         stem = path.name[: -len(f".{meta['graph']}.onnx")]
         files = [p for p in (path.with_name(f"{stem}.image.onnx"), path.with_name(f"{stem}.text.onnx")) if p.is_file()]
     backend = OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
-                                 threads=settings.threads, cuda_graph=settings.ort_cuda_graph,
+                                 threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
                                  routing=settings.routing)
     pkg_meta = meta.get("package_config") or {}
     model = ServedModel(
@@ -340,6 +366,65 @@ def warmup(model: ServedModel, settings: Settings, log=print) -> None:
     else:
         model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
     prove_routing(model, settings, log)
+    check_concurrent_batches(model, settings, log)
+
+
+def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, seed: int = 2) -> None:
+    """With ``--concurrent-batches`` N > 1: every function's outputs from N calls running at once
+    on the one backend, each with its own random rows, are bitwise equal to the same calls run
+    alone, at every shape its queue runs (strict: the proven shapes; loose: the warmed sizes).
+
+    Raises:
+        ModelLoadError: a difference (the server does not start: an answer must not depend on
+            what runs beside it).
+    """
+    n = settings.concurrent_batches
+    if n == 1:
+        return
+    rng = np.random.default_rng(seed)
+    checked = []
+    for fn, spec in all_functions(model.backend).items():
+        queue = model.queues.get(fn)
+        sizes = list(queue.shapes) if settings.strict_determinism and queue is not None \
+            else sorted({1, 2, settings.max_batch_size})
+        for size in sizes:
+            calls = [random_rows(spec, size, rng, model.vocab_size) for _ in range(n)]
+            alone = [model.backend.run(fn, rows) for rows in calls]
+            together: list = [None] * n
+            start = threading.Barrier(n)
+
+            def one(i: int) -> None:
+                start.wait(60)
+                together[i] = model.backend.run(fn, calls[i])
+
+            threads = [threading.Thread(target=one, args=(i,), name=f"softmoe-check-{i}") for i in range(1, n)]
+            for t in threads:
+                t.start()
+            one(0)
+            for t in threads:
+                t.join()
+            if any(got is None or any(not np.array_equal(got[k], want[k]) for k in want)
+                   for got, want in zip(together, alone)):
+                raise ModelLoadError(
+                    f"{model.name}/{fn}: {n} concurrent calls at batch {size} gave outputs that differ from the same "
+                    f"calls alone on this backend; use --concurrent-batches 1")
+        checked.append(fn)
+    log(f"{model.name}: {n} concurrent batches give outputs bitwise equal to calls alone ({', '.join(checked)})")
+
+
+def random_rows(spec, size: int, rng: np.random.Generator, vocab_size: int | None) -> dict[str, np.ndarray]:
+    """``size`` random rows of a function's inputs: every byte value for uint8 pixels, token ids
+    below the vocabulary for integer inputs, uniform in [-1, 1) otherwise."""
+    rows = {}
+    for s in spec.inputs:
+        shape = (size, *s.shape)
+        if s.dtype == np.uint8:
+            rows[s.name] = rng.integers(0, 256, shape).astype(s.dtype)
+        elif np.issubdtype(s.dtype, np.integer):
+            rows[s.name] = rng.integers(0, vocab_size or 2, shape).astype(s.dtype)
+        else:
+            rows[s.name] = rng.uniform(-1, 1, shape).astype(s.dtype)
+    return rows
 
 
 def prove_routing(model: ServedModel, settings: Settings, log=print, seed: int = 1) -> bool:
@@ -392,15 +477,7 @@ def prove_shapes(model: ServedModel, max_batch_size: int, log=print, seed: int =
     rng = np.random.default_rng(seed)
     proven: dict[str, tuple[int, ...]] = {}
     for fn, spec in model.backend.functions.items():
-        rows = {}
-        for s in spec.inputs:
-            shape = (max_batch_size, *s.shape)
-            if s.dtype == np.uint8:  # uint8 pixel transfer: every byte value
-                rows[s.name] = rng.integers(0, 256, shape).astype(s.dtype)
-            elif np.issubdtype(s.dtype, np.integer):
-                rows[s.name] = rng.integers(0, model.vocab_size or 2, shape).astype(s.dtype)
-            else:
-                rows[s.name] = rng.uniform(-1, 1, shape).astype(s.dtype)
+        rows = random_rows(spec, max_batch_size, rng, model.vocab_size)
         reference = model.backend.run(fn, rows)
         good = []
         for size in candidate_shapes(max_batch_size):

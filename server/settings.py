@@ -69,6 +69,12 @@ class Settings(BaseSettings):
         "proven shape that holds it (no full padding at low load)",
     )
     threads: int = Field(0, ge=0, description="intra-op threads of the backend (0: the CPUs available)")
+    concurrent_batches: int = Field(
+        1, ge=1, le=64,
+        description="batches the device runs at once, each by its own worker on the one copy of the model (CPU "
+        "backends only); the intra-op threads are divided among them: more throughput at saturation where the "
+        "model's threads scale poorly, more latency for a lone request",
+    )
     decode_workers: int = Field(2, ge=1, description="threads decoding and preprocessing images")
     decode_nice: int = Field(
         0, ge=0, le=19,

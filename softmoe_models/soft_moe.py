@@ -30,6 +30,7 @@ leaving the experts (Ys) are rounded to bfloat16, weights and accumulation stay 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator, Literal
 
 import torch
@@ -48,6 +49,19 @@ def l2_normalize(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 def _bf16_round(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
+
+
+class _Capture(threading.local):
+    """Per thread: which layers keep their routing internals, and the internals they kept. One
+    model may run batches from several threads at once (the server's ``--concurrent-batches``): a
+    call must see its own routing, never that of a call beside it."""
+
+    def __init__(self) -> None:
+        self.on: set[int] = set()
+        self.internals: dict[int, dict[str, torch.Tensor]] = {}
+
+
+_CAPTURE = _Capture()
 
 
 class SoftMoE(nn.Module):
@@ -82,8 +96,8 @@ class SoftMoE(nn.Module):
         # the last bit from the same rows in a larger GEMM. 0: no padding (exports). See
         # set_batch_invariant.
         self.min_expert_rows = 0
-        self.capture = False  # when True, keep the last call's routing internals in .internals
-        self.internals: dict[str, torch.Tensor] = {}
+        self.capture = False  # when True, keep this thread's last call's routing internals in .internals
+        self.internals = {}
         # Router (vmoe names: Router/mu, Router/scale).
         self.mu = nn.Parameter(torch.randn(dim, n, p) * dim**-0.5)  # (d, n, p), lecun normal
         self.scale = nn.Parameter(torch.ones(()))
@@ -145,6 +159,29 @@ class SoftMoE(nn.Module):
             )
         return y
 
+    # Both per thread (``_Capture``), plain Python state that torch.export traces through.
+    @property
+    def capture(self) -> bool:
+        return id(self) in _CAPTURE.on
+
+    @capture.setter
+    def capture(self, on: bool) -> None:
+        if on:
+            _CAPTURE.on.add(id(self))
+        else:
+            _CAPTURE.on.discard(id(self))
+
+    @property
+    def internals(self) -> dict[str, torch.Tensor]:
+        return _CAPTURE.internals.get(id(self), {})
+
+    @internals.setter
+    def internals(self, value: dict[str, torch.Tensor]) -> None:
+        if value:
+            _CAPTURE.internals[id(self)] = value
+        else:
+            _CAPTURE.internals.pop(id(self), None)
+
     # ------------------------------------------------------------------ fused path
 
     def _forward_fused(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -197,7 +234,7 @@ def soft_moe_layers(model: nn.Module) -> list[SoftMoE]:
 
 @contextlib.contextmanager
 def capture_routing(layers: list[SoftMoE]) -> Iterator[list[SoftMoE]]:
-    """Keep each layer's routing internals of the calls made inside the block (``.internals``:
+    """Keep each layer's routing internals of the calls this thread makes inside the block (``.internals``:
     ``dispatch_weights`` and ``combine_weights`` as ``(B, m, n, p)``, the very tensors the
     forward pass multiplies with, so the numerics of both paths are untouched). Restores the
     flags and drops the tensors on exit; traceable by ``torch.export`` (plain Python state)."""

@@ -1,7 +1,8 @@
-"""Dynamic batching with one worker thread per device. Knows nothing about HTTP.
+"""Dynamic batching: one batcher per device, with one worker thread (or ``workers`` of them, each
+running a batch at once: ``--concurrent-batches``). Knows nothing about HTTP.
 
 ``Batcher.submit(queue, row)`` returns an asyncio future for one item (one image or one text).
-The device's worker collects items of one queue (one model function) until ``max_batch_size``
+A free worker collects items of one queue (one model function) until ``max_batch_size``
 or ``max_delay_ms`` after the oldest, drops those whose future was cancelled (the client left)
 or whose deadline passed (they never reach the model), runs the backend, and resolves every
 future with its own row or its own exception.
@@ -28,6 +29,13 @@ failure (``FatalBackendError``, a sticky CUDA error) stops the worker and marks 
 every waiting item gets 503 and liveness and readiness fail so the orchestrator restarts the
 process; so does a worker thread that dies for any other reason. Exception texts are logged with
 the request id of every item concerned; clients get a message without them.
+
+Concurrent batches (``workers`` > 1): every worker takes batches from the same queues, under the
+same lock and admission, and calls the same backend (ONNX Runtime sessions and torch modules on
+CPU may be run from several threads at once); the intra-op threads are divided among the workers
+by the caller. A call's rows do not depend on which worker runs it or on what runs beside it:
+start-up checks that concurrent calls give outputs bitwise equal to a call alone
+(``registry.check_concurrent_batches``).
 
 Admission is a reservation: ``reserve(queue, n)`` takes ``n`` places before a request decodes its
 images, and its ``submit`` calls fill them, so a request admitted at the door is never refused
@@ -112,19 +120,28 @@ class ModelQueue:
 
 
 class Batcher:
-    """One worker thread owning one device, serving every model queue on it."""
+    """The worker threads owning one device, serving every model queue on it."""
 
-    def __init__(self, device: str = "cpu", metrics: Metrics | None = None) -> None:
+    def __init__(self, device: str = "cpu", metrics: Metrics | None = None, workers: int = 1) -> None:
+        """
+        Args:
+            device: the device's name (threads, messages).
+            metrics: where batch sizes and refusals are counted.
+            workers: batches run at once (each by its own worker thread, on the same backend).
+        """
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
         self.device = device
         self.metrics = metrics
         self.queues: list[ModelQueue] = []
         self._cond = threading.Condition()
         self._stopping = False
-        self.dead: str | None = None  # set when a fatal error stopped the worker
+        self.dead: str | None = None  # set when a fatal error stopped the workers
         self.before_call: Callable[[ModelQueue, list[Item]], None] | None = None  # test/fault hook
-        self._thread = threading.Thread(target=self._run, name=f"softmoe-worker-{device}", daemon=True)
+        self._threads = [threading.Thread(target=self._run, name=f"softmoe-worker-{device}-{i}", daemon=True)
+                         for i in range(workers)]
         self.calls = 0
-        self._free_at = 0.0  # when the worker last finished a call
+        self._free_at = 0.0  # when a worker last finished a call
 
     def add_queue(self, queue: ModelQueue) -> ModelQueue:
         self.queues.append(queue)
@@ -135,21 +152,28 @@ class Batcher:
             self.metrics.queue_capacity.labels(queue.label).set(sum(q.max_queue for q in siblings))
         return queue
 
+    @property
+    def workers(self) -> int:
+        return len(self._threads)
+
     def start(self) -> None:
-        self._thread.start()
+        for t in self._threads:
+            t.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish what is queued, then stop the worker."""
+        """Finish what is queued, then stop the workers."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            if t.is_alive():
+                t.join(max(0.0, end - time.monotonic()))
 
     @property
     def alive(self) -> bool:
-        """The worker can take work: started, running, not dead."""
-        return self.dead is None and self._thread.is_alive()
+        """The workers can take work: started, every one running, not dead."""
+        return self.dead is None and all(t.is_alive() for t in self._threads)
 
     def depth(self, queue: ModelQueue | None = None) -> int:
         with self._cond:
@@ -236,6 +260,8 @@ class Batcher:
                     continue
                 batch = [queue.items.popleft() for _ in range(min(queue.max_batch_size, len(queue.items)))]
                 queue._gauge()
+                if len(self._threads) > 1 and any(q.items for q in self.queues):
+                    self._cond.notify()  # what is left is for another free worker
                 return queue, batch
 
     def _run(self) -> None:
@@ -251,7 +277,8 @@ class Batcher:
                 if not live:
                     continue
                 self._call(queue, live)
-                self._free_at = time.perf_counter()
+                with self._cond:
+                    self._free_at = time.perf_counter()
         except FatalBackendError as e:
             log.error("fatal backend error on %s (requests %s): %s", self.device, _tags(live), e)
             self._die(str(e), live)
@@ -329,7 +356,8 @@ class Batcher:
                 arr[i] = item.row[name]
             stacked[name] = arr
         outputs = queue.fn(stacked)
-        self.calls += 1
+        with self._cond:
+            self.calls += 1
         if self.metrics:
             self.metrics.batch_size.labels(queue.label).observe(n)
             self.metrics.batch_padding_ratio.labels(queue.label).observe((rows - n) / rows)

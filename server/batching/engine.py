@@ -163,7 +163,7 @@ class Engine:
         from ..registry import attach_queues
 
         self.settings, self.models, self.frontends, self.metrics = settings, models, frontends, metrics
-        self.batcher = Batcher(settings.device, metrics)
+        self.batcher = Batcher(settings.device, metrics, workers=settings.concurrent_batches)
         for m in models:
             metrics.init_model(m.name)
             attach_queues(m, self.batcher, settings, metrics)

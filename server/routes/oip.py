@@ -103,13 +103,15 @@ async def model_metadata(request: Request, model_name: str, version: str | None 
     ins, outs = _tensors(model)
     # parameters: what actually runs (the provider ONNX Runtime really uses, not what was asked for).
     return {"name": model.name, "versions": ["1"], "platform": f"softmoe_{model.backend.name}", "inputs": ins,
-            "outputs": outs, "parameters": {**model.backend.describe(), **_batching(model)}}
+            "outputs": outs, "parameters": {**model.backend.describe(), **_batching(model, request.app.state.settings)}}
 
 
-def _batching(model) -> dict:
-    """The batch shapes the model runs: strict mode's proven padded shapes per function."""
+def _batching(model, settings) -> dict:
+    """The batch shapes the model runs (strict mode's proven padded shapes per function) and how
+    many batches run at once."""
     queues = model.queues
     out = {"max_batch_size": max((q.max_batch_size for q in queues.values()), default=0),
+           "concurrent_batches": settings.concurrent_batches,
            "strict_determinism": any(q.pad for q in queues.values()),
            "batch_shapes": {fn: list(q.shapes) for fn, q in queues.items() if q.pad}}
     if model.preprocess is not None:

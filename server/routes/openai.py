@@ -69,6 +69,7 @@ async def list_models(request: Request):
     from .oip import _batching
 
     data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "softmoe-serve", "kind": m.kind,
-             "ready": m.ready, "backend": m.backend.describe(), "source": m.source, "batching": _batching(m)}
+             "ready": m.ready, "backend": m.backend.describe(), "source": m.source,
+             "batching": _batching(m, request.app.state.settings)}
             for m in request.app.state.models.values()]
     return JSONResponse({"object": "list", "data": data})

@@ -21,19 +21,23 @@ D = 3  # features per row
 class FakeFn:
     """``{"y": x * 2}``, recording each call's rows; optionally held on a gate or failing."""
 
-    def __init__(self, name: str = "fn", gate: threading.Event | None = None, fail=None, log: list | None = None):
+    def __init__(self, name: str = "fn", gate: threading.Event | None = None, fail=None, log: list | None = None,
+                 barrier: threading.Barrier | None = None):
         self.name = name
         self.gate = gate
         self.fail = fail  # callable(rows) -> exception to raise, or None
         self.calls: list[dict[str, np.ndarray]] = []
         self.entered = threading.Event()
         self.log = log  # shared across fns: the order of calls between queues
+        self.barrier = barrier  # every call waits until this many calls are inside at once
 
     def __call__(self, rows):
         self.calls.append({k: v.copy() for k, v in rows.items()})
         if self.log is not None:
             self.log.append(self.name)
         self.entered.set()
+        if self.barrier is not None:
+            self.barrier.wait(HANG)  # BrokenBarrierError unless enough calls run at once
         if self.gate is not None:
             assert self.gate.wait(HANG), "the test never released the gate"
         if self.fail is not None:
@@ -60,8 +64,9 @@ def make():
     """Build a batcher (+ queues); every batcher built is released and stopped at teardown."""
     made: list[tuple[Batcher, list[threading.Event]]] = []
 
-    def build(*fns, max_batch_size=4, max_delay_s=0.01, max_queue=64, pad=False, metrics=None, labels=None, eager=False):
-        b = Batcher("cpu", metrics)
+    def build(*fns, max_batch_size=4, max_delay_s=0.01, max_queue=64, pad=False, metrics=None, labels=None, eager=False,
+              workers=1):
+        b = Batcher("cpu", metrics, workers=workers)
         queues = []
         for i, fn in enumerate(fns):
             label = labels[i] if labels else f"m{i}"
@@ -77,7 +82,7 @@ def make():
         for g in gates:
             g.set()
         b.stop(timeout=HANG)
-        assert not b._thread.is_alive(), "worker thread did not exit"
+        assert not any(t.is_alive() for t in b._threads), "a worker thread did not exit"
 
 
 async def wait_event(ev: threading.Event, timeout: float = HANG) -> None:

@@ -36,6 +36,8 @@ KEYS = (
     "protocol_added_us_per_request", "protocol_bounded_over_httptools",
     # legitimate traffic with and without slow clients attacking
     "attack_throughput_ratio", "attack_errors", "attack_clients_cut",
+    # --concurrent-batches 2 vs 1
+    "concurrent_batches_throughput_ratio", "concurrent_batches_c1_p50_ratio",
     # routing statistics on vs off
     "routing_stats_on_vs_off", "routing_stats_on_vs_off_paired", "routing_stats_every_call_vs_off",
     # the run

@@ -315,7 +315,7 @@ def test_backend_failure_fails_only_the_poisoned_item(make, pad):
     np.testing.assert_array_equal(ok1.outputs["y"], row(1.0)["x"] * 2)
     np.testing.assert_array_equal(ok2.outputs["y"], row(2.0)["x"] * 2)
     assert b.dead is None
-    assert b._thread.is_alive()  # an ordinary failure does not stop the worker
+    assert b.alive  # an ordinary failure does not stop the worker
 
 
 def test_worker_survives_a_failing_batch(make):
@@ -354,7 +354,7 @@ def test_fatal_error_kills_worker_and_fails_everything(make):
         waiting = [b.submit(q, row(2.0), 30), b.submit(q, row(3.0), 30), b.submit(q2, row(4.0), 30)]
         gate.set()
         got = [await outcome(running)] + [await outcome(f) for f in waiting]
-        await asyncio.to_thread(b._thread.join, HANG)
+        await asyncio.to_thread(b._threads[0].join, HANG)
         with pytest.raises(Unavailable) as later:
             b.submit(q2, row(5.0), 30)
         return got, later.value
@@ -366,7 +366,7 @@ def test_fatal_error_kills_worker_and_fails_everything(make):
         assert "sticky CUDA error" not in e.message and "restarting" in e.message
         assert "Retry-After" in e.headers
     assert b.dead is not None and "sticky CUDA error" in b.dead
-    assert not b._thread.is_alive()
+    assert not b._threads[0].is_alive()
     assert later.status == 503 and "fatal" in later.message
     assert fn.seen() == [1.0]  # nothing else reached the backend
     assert other.calls == []
@@ -476,7 +476,7 @@ def test_stop_finishes_queued_items(make):
         futs = [b.submit(q, row(float(i)), 120) for i in range(3)]
         b.start()
         await asyncio.to_thread(b.stop, HANG)
-        alive = b._thread.is_alive()
+        alive = b._threads[0].is_alive()
         with pytest.raises(Unavailable) as after:
             b.submit(q, row(9.0), 30)
         return alive, after.value, await asyncio.wait_for(asyncio.gather(*futs), HANG)
@@ -506,7 +506,7 @@ def test_stop_while_busy_finishes_the_rest(make):
         return await asyncio.wait_for(asyncio.gather(*futs), HANG)
 
     results = asyncio.run(main())
-    assert not b._thread.is_alive()
+    assert not b._threads[0].is_alive()
     assert fn.shapes == [(2, D), (2, D), (1, D)]
     for i, r in enumerate(results):
         np.testing.assert_array_equal(r.outputs["y"], row(float(i))["x"] * 2)

@@ -12,6 +12,7 @@ import re
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from helpers.images import b64, golden_pngs, random_pngs
 from helpers.live import live_server
@@ -19,12 +20,33 @@ from server.app import create_app
 from server.settings import Settings
 
 
-@pytest.fixture(scope="module", params=["torch", "onnxruntime"])
-def url(request, packages, tmp_path_factory):
-    settings = Settings(models=[f"golden={packages['golden']}", f"lit={packages['tt-tok']}"], backend=request.param,
-                        max_batch_size=8, max_delay_ms=20, cache_dir=str(tmp_path_factory.getbasetemp() / "cache"))
-    with live_server(create_app(settings)) as u:
-        yield u
+@pytest.fixture(scope="module", params=[("torch", 1), ("onnxruntime", 1), ("torch", 2), ("onnxruntime", 2)],
+                ids=lambda p: f"{p[0]}-concurrent{p[1]}")
+def served(request, packages, tmp_path_factory):
+    """A live server per backend, running one batch at a time or two at once (--concurrent-batches)."""
+    backend, concurrent = request.param
+    settings = Settings(models=[f"golden={packages['golden']}", f"lit={packages['tt-tok']}"], backend=backend,
+                        max_batch_size=8, max_delay_ms=20, cache_dir=str(tmp_path_factory.getbasetemp() / "cache"),
+                        concurrent_batches=concurrent, threads=2)
+    threads = torch.get_num_threads()
+    try:
+        with live_server(create_app(settings)) as u:
+            yield u, concurrent
+    finally:
+        torch.set_num_threads(threads)  # the torch backend sets it for the whole process
+
+
+@pytest.fixture(scope="module")
+def url(served):
+    return served[0]
+
+
+def test_models_endpoint_says_how_many_batches_run_at_once(served):
+    url, concurrent = served
+    params = httpx.get(f"{url}/v2/models/golden", timeout=10).json()["parameters"]
+    assert params["concurrent_batches"] == concurrent
+    listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
+    assert listed["lit"]["batching"]["concurrent_batches"] == concurrent
 
 
 def _oip(image: np.ndarray) -> dict:

@@ -2,8 +2,8 @@
 process through shared memory, as real subprocesses on the shipped default models (digits and
 digits-lit, torch backend).
 
-Three servers start together: ``split`` and ``single`` (the same flags, one process) for the
-answers, determinism and shutdown; ``slow`` (a 2 s batching window that items always wait out, 4 places per queue) for
+Three servers start together: ``split`` and ``single`` (the same flags, one process; both run two
+batches at once) for the answers, determinism and shutdown; ``slow`` (a 2 s batching window that items always wait out, 4 places per queue) for
 admission, a killed front end and a killed engine. Tests that end a server come last for it.
 Which front end holds a connection is read from the kernel (psutil), so the cross-process cases
 are deterministic rather than left to the kernel's choice of front end.
@@ -85,7 +85,8 @@ def servers(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("frontends")
     # A 1 s window every batch waits out (--no-eager-batching): requests are still queued when a
     # test looks (SIGTERM with requests in flight). Eager batching's engine side: test_batcher.py.
-    common = ("--max-queue", "16", "--max-delay-ms", "1000", "--no-eager-batching")
+    # Two batches at once (--concurrent-batches 2): the engine's batcher runs two workers.
+    common = ("--max-queue", "16", "--max-delay-ms", "1000", "--no-eager-batching", "--concurrent-batches", "2")
     started = {
         "split": Server(workdir, "split", "--frontend-workers", "2", *common),
         "single": Server(workdir, "single", *common),
