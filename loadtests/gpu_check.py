@@ -397,7 +397,7 @@ def section_determinism(cache_dir: str, log) -> dict[str, Any]:
     backends.clear()
     images = np.random.default_rng(2).integers(0, 256, (20, 224, 224, 3)).astype(np.uint8)
     record("uint8_transfer_equals_float32", lambda: uint8_equals_float32(model, images))
-    del model
+    model = None  # freed before the second process (the closures above have run)
     record("second_process_identical", lambda: {"bitwise": second_process_digest() == digest_in_subprocess()})
     return out
 
