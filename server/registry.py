@@ -214,11 +214,18 @@ def _check_concurrency(settings: Settings) -> None:
             f"where one engine's calls share a stream); use --concurrent-batches 1 with --device {settings.device}"
             + (" --backend tensorrt" if settings.backend == "tensorrt" else "")
         )
+    threads = settings.threads or len(os.sched_getaffinity(0))
+    if settings.concurrent_batches > threads:  # each batch's activations are held at once: bounded by the cores
+        raise ModelLoadError(
+            f"--concurrent-batches {settings.concurrent_batches} is more batches at once than the {threads} intra-op "
+            f"threads ({'--threads' if settings.threads else 'the CPUs available'}) can run, one thread each; use at "
+            f"most {threads}")
 
 
 def backend_threads(settings: Settings) -> int:
     """Intra-op threads of one backend call: ``--threads`` (0: the backend's default, the CPUs
-    available), divided among ``--concurrent-batches`` (at least 1 each)."""
+    available), divided among ``--concurrent-batches`` (at least 1 each: more batches than threads
+    are refused at load)."""
     if settings.concurrent_batches == 1:
         return settings.threads
     total = settings.threads or len(os.sched_getaffinity(0))

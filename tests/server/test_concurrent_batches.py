@@ -172,11 +172,19 @@ def test_refused_where_not_verified(packages, device, backend):
         load_served_model(f"golden={packages['golden']}", settings, log=lambda m: None)
 
 
+def test_refused_beyond_one_thread_each(packages):
+    cpus = len(os.sched_getaffinity(0))
+    with pytest.raises(ModelLoadError, match=r"^--concurrent-batches 3 is more batches at once than the 2 intra-op "
+                                             r"threads \(--threads\) can run, one thread each; use at most 2"):
+        load_served_model(f"golden={packages['golden']}", Settings(concurrent_batches=3, threads=2), log=lambda m: None)
+    with pytest.raises(ModelLoadError, match=rf"the {cpus} intra-op threads \(the CPUs available\)"):
+        load_served_model(f"golden={packages['golden']}", Settings(concurrent_batches=cpus + 1), log=lambda m: None)
+
+
 def test_intra_op_threads_are_divided():
     cpus = len(os.sched_getaffinity(0))
     assert backend_threads(Settings(threads=4)) == 4
     assert backend_threads(Settings(threads=0)) == 0  # the backend's own default
     assert backend_threads(Settings(threads=4, concurrent_batches=2)) == 2
     assert backend_threads(Settings(threads=5, concurrent_batches=2)) == 2
-    assert backend_threads(Settings(threads=1, concurrent_batches=2)) == 1
     assert backend_threads(Settings(threads=0, concurrent_batches=2)) == max(1, cpus // 2)
