@@ -24,28 +24,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtests.harness import ERRORS, interleave, jpeg, jpeg_request, load, median, serve_many
+from loadtests.harness import ERRORS, jpeg, jpeg_request, median, saturation_and_c1
 
 
 def run(package: str | None, *, rounds: int, seconds: float, clients: int, max_batch_size: int,
         log=print) -> dict[str, Any]:
     common = ["--model", f"m={package}"] if package else []
     common += ["--max-batch-size", str(max_batch_size), "--max-delay-ms", str(100 if package else 5)]
-    # One at a time, each ready before the next: a heavy model peaks while it loads.
-    servers = serve_many({"one": [*common, "--concurrent-batches", "1"],
-                          "two": [*common, "--concurrent-batches", "2"]}, parallel=False)
-    try:
-        requests = [(jpeg_request("/v1/classify", jpeg(224, 224, i)), 1) for i in range(32)]
-        for s in servers.values():
-            load([s.port], requests, min(3.0, seconds), clients)  # warm: connections, first batches
-        sat = interleave({n: (lambda s=s: load([s.port], requests, seconds, clients, label="concurrent").items_per_s)
-                          for n, s in servers.items()}, rounds, seed=7)
-        c1 = interleave({n: (lambda s=s: load([s.port], requests, max(0.3, seconds / 2), 1, min_requests=3,
-                                              label="concurrent").ms(50))
-                         for n, s in servers.items()}, rounds, seed=8)
-    finally:
-        for s in servers.values():
-            s.stop()
+    requests = [(jpeg_request("/v1/classify", jpeg(224, 224, i)), 1) for i in range(32)]
+    sat, c1 = saturation_and_c1({"one": [*common, "--concurrent-batches", "1"],
+                                 "two": [*common, "--concurrent-batches", "2"]}, requests, rounds=rounds,
+                                seconds=seconds, c1_seconds=max(0.3, seconds / 2), clients=clients,
+                                label="concurrent", seed=7)
     out: dict[str, Any] = {
         "concurrent_batches_throughput_ratio": round(median(sat["two"]) / median(sat["one"]), 3),
         "concurrent_batches_c1_p50_ratio": round(median(c1["two"]) / median(c1["one"]), 3),

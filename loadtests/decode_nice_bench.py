@@ -20,34 +20,24 @@ import json
 import sys
 from typing import Any
 
-from loadtests.harness import ERRORS, interleave, jpeg, jpeg_request, load, median, serve_many
+from loadtests.harness import ERRORS, jpeg, jpeg_request, median, saturation_and_c1
 
 
 def run(package: str | None, *, nice: int, rounds: int, seconds: float, clients: int, max_batch_size: int,
         log=print) -> dict[str, Any]:
     common = ["--model", f"m={package}"] if package else []
     common += ["--max-batch-size", str(max_batch_size), "--max-delay-ms", str(100 if package else 5)]
-    # One at a time, each ready before the next: a heavy model peaks while it loads.
-    servers = serve_many({"plain": [*common, "--decode-nice", "0"], "nice": [*common, "--decode-nice", str(nice)]},
-                         parallel=False)
-    try:
-        requests = [(jpeg_request("/v1/classify", jpeg(640, 480, i)), 1) for i in range(16)]
-        for s in servers.values():
-            load([s.port], requests, min(3.0, seconds), clients)  # warm: connections, first batches
-        sat = interleave({n: (lambda s=s: load([s.port], requests, seconds, clients, label="decode_nice").items_per_s)
-                          for n, s in servers.items()}, rounds, seed=5)
-        c1 = interleave({n: (lambda s=s: load([s.port], requests, max(0.3, seconds / 3), 1, min_requests=3,
-                                              label="decode_nice").ms(50))
-                         for n, s in servers.items()}, rounds, seed=6)
-    finally:
-        for s in servers.values():
-            s.stop()
+    requests = [(jpeg_request("/v1/classify", jpeg(640, 480, i)), 1) for i in range(16)]
+    sat, c1 = saturation_and_c1({"plain": [*common, "--decode-nice", "0"],
+                                 "nice": [*common, "--decode-nice", str(nice)]}, requests, rounds=rounds,
+                                seconds=seconds, c1_seconds=max(0.3, seconds / 3), clients=clients,
+                                label="decode_nice", seed=5)
     out: dict[str, Any] = {
         "decode_nice": nice,
         "decode_nice_throughput_ratio": round(median(sat["nice"]) / median(sat["plain"]), 3),
         "decode_nice_c1_p50_ratio": round(median(c1["nice"]) / median(c1["plain"]), 3),
     }
-    for n in servers:
+    for n in sat:
         out[f"decode_nice_img_per_s_{n}"] = round(median(sat[n]), 2)
         out[f"decode_nice_c1_p50_ms_{n}"] = round(median(c1[n]), 2)
         log(f"  {n:6} --decode-nice {0 if n == 'plain' else nice:<3} img/s {median(sat[n]):8.2f}  windows "

@@ -246,6 +246,27 @@ def median(values) -> float:
     return float(statistics.median(values))
 
 
+def saturation_and_c1(variants: dict[str, list[str]], requests: list[tuple[bytes, int]], *, rounds: int,
+                      seconds: float, c1_seconds: float, clients: int, label: str, seed: int = 0
+                      ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """`softmoe serve` with each variant's flags, started one at a time (each ready before the next:
+    a heavy model peaks while it loads), warmed, then measured in interleaved windows: images/s
+    at saturation (a closed loop of ``clients``) and p50 ms at concurrency 1. Returns both, each
+    variant's windows by name."""
+    servers = serve_many(variants, parallel=False)
+    try:
+        for s in servers.values():
+            load([s.port], requests, min(3.0, seconds), clients)  # warm: connections, first batches
+        sat = interleave({n: (lambda s=s: load([s.port], requests, seconds, clients, label=label).items_per_s)
+                          for n, s in servers.items()}, rounds, seed=seed)
+        c1 = interleave({n: (lambda s=s: load([s.port], requests, c1_seconds, 1, min_requests=3, label=label).ms(50))
+                         for n, s in servers.items()}, rounds, seed=seed + 1)
+    finally:
+        for s in servers.values():
+            s.stop()
+    return sat, c1
+
+
 def jpeg(width: int, height: int, seed: int) -> bytes:
     from PIL import Image
     from sklearn.datasets import load_sample_image

@@ -401,8 +401,11 @@ def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, 
             start = threading.Barrier(n)
 
             def one(i: int) -> None:
-                start.wait(60)
-                together[i] = model.backend.run(fn, calls[i])
+                try:
+                    start.wait(60)
+                    together[i] = model.backend.run(fn, calls[i])
+                except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+                    together[i] = e
 
             threads = [threading.Thread(target=one, args=(i,), name=f"softmoe-check-{i}") for i in range(1, n)]
             for t in threads:
@@ -410,8 +413,11 @@ def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, 
             one(0)
             for t in threads:
                 t.join()
-            if any(got is None or any(not np.array_equal(got[k], want[k]) for k in want)
-                   for got, want in zip(together, alone)):
+            failed = next((e for e in together if isinstance(e, BaseException)), None)
+            if failed is not None:
+                raise ModelLoadError(f"{model.name}/{fn}: {n} concurrent calls at batch {size} failed "
+                                     f"({type(failed).__name__}: {failed}); use --concurrent-batches 1") from failed
+            if any(any(not np.array_equal(got[k], want[k]) for k in want) for got, want in zip(together, alone)):
                 raise ModelLoadError(
                     f"{model.name}/{fn}: {n} concurrent calls at batch {size} gave outputs that differ from the same "
                     f"calls alone on this backend; use --concurrent-batches 1")

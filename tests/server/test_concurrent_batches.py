@@ -11,6 +11,7 @@ test_determinism.py (its ``concurrent2`` servers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 
@@ -126,40 +127,46 @@ class ThreadDependent:
     """A real backend whose outputs move by one ulp when the call comes from another thread than
     the one that built it: what a backend sharing state between calls looks like from outside."""
 
-    def __init__(self, inner) -> None:
+    def __init__(self, inner, fail: bool = False) -> None:
         self.inner, self.functions, self.routing = inner, inner.functions, inner.routing
-        self.owner = threading.get_ident()
+        self.owner, self.fail = threading.get_ident(), fail
 
     def run(self, fn, rows):
         out = self.inner.run(fn, rows)
         if threading.get_ident() != self.owner:
+            if self.fail:
+                raise RuntimeError("called from another thread")
             out = {k: np.nextafter(v, np.inf).astype(v.dtype) for k, v in out.items()}
         return out
 
 
-def test_start_up_check_refuses_outputs_that_depend_on_the_call_beside(packages, tmp_path):
-    settings = Settings(backend="onnxruntime", concurrent_batches=3, threads=3, max_batch_size=4,
-                        cache_dir=str(tmp_path))
+@contextlib.contextmanager
+def thread_dependent(packages, tmp_path, fail: bool = False, **settings):
+    """The golden model on ONNX Runtime behind ``ThreadDependent``, and its settings."""
+    settings = Settings(backend="onnxruntime", max_batch_size=4, cache_dir=str(tmp_path), **settings)
     model = load_served_model(f"golden={packages['golden']}", settings, log=lambda m: None)
     try:
-        model.backend = ThreadDependent(model.backend)
-        with pytest.raises(ModelLoadError, match=r"golden/classify: 3 concurrent calls at batch 1 gave outputs "
-                                                 r"that differ .* use --concurrent-batches 1"):
-            check_concurrent_batches(model, settings, log=lambda m: None)
+        model.backend = ThreadDependent(model.backend, fail=fail)
+        yield model, settings
     finally:
         model.backend.inner.close()
+
+
+@pytest.mark.parametrize("n,fail,why", [
+    (3, False, r"3 concurrent calls at batch 1 gave outputs that differ .* use --concurrent-batches 1"),
+    (2, True, r"2 concurrent calls at batch 1 failed \(RuntimeError: called from another thread\)"),
+])
+def test_start_up_check_refuses_answers_that_depend_on_the_call_beside(packages, tmp_path, n, fail, why):
+    with thread_dependent(packages, tmp_path, fail, concurrent_batches=n, threads=n) as (model, settings):
+        with pytest.raises(ModelLoadError, match=rf"golden/classify: {why}"):
+            check_concurrent_batches(model, settings, log=lambda m: None)
 
 
 def test_one_batch_at_a_time_is_not_checked(packages, tmp_path):
-    settings = Settings(backend="onnxruntime", max_batch_size=4, cache_dir=str(tmp_path))
-    model = load_served_model(f"golden={packages['golden']}", settings, log=lambda m: None)
-    try:
-        model.backend = ThreadDependent(model.backend)
+    with thread_dependent(packages, tmp_path) as (model, settings):
         lines = []
         check_concurrent_batches(model, settings, log=lines.append)  # nothing runs beside anything
         assert lines == []
-    finally:
-        model.backend.inner.close()
 
 
 # ------------------------------------------------------------------ where it runs, and on how many threads
