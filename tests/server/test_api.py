@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from conftest import golden_npz
-from helpers.images import b64, golden_pngs, png, random_pngs
+from helpers.images import b64, golden_pngs, png
 from server.app import create_app
 from server.settings import Settings
 
