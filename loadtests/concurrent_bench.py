@@ -18,13 +18,12 @@ threads and takes longer.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from loadtests.harness import ERRORS, jpeg, jpeg_request, median, saturation_and_c1
+from loadtests.harness import jpeg, jpeg_request, median, report, saturation_and_c1
 
 
 def run(package: str | None, *, rounds: int, seconds: float, clients: int, max_batch_size: int,
@@ -74,9 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(args.package, rounds=args.rounds, seconds=args.seconds, clients=args.clients,
                  max_batch_size=args.max_batch_size, log=lambda m: print(m, file=sys.stderr, flush=True))
-    result["errors"] = sum(ERRORS.values())  # non-200 answers in the measured windows (0 expected)
-    result["command"] = "python -m loadtests.concurrent_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(json.dumps(result))
+    report(result, "loadtests.concurrent_bench", argv)
     return 0
 
 

@@ -16,11 +16,10 @@ the work and it costs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
-from loadtests.harness import ERRORS, jpeg, jpeg_request, median, saturation_and_c1
+from loadtests.harness import jpeg, jpeg_request, median, report, saturation_and_c1
 
 
 def run(package: str | None, *, nice: int, rounds: int, seconds: float, clients: int, max_batch_size: int,
@@ -64,9 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(args.package, nice=args.nice, rounds=args.rounds, seconds=args.seconds, clients=args.clients,
                  max_batch_size=args.max_batch_size, log=lambda m: print(m, file=sys.stderr, flush=True))
-    result["errors"] = sum(ERRORS.values())  # non-200 answers in the measured windows (0 expected)
-    result["command"] = "python -m loadtests.decode_nice_bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(json.dumps(result))
+    report(result, "loadtests.decode_nice_bench", argv)
     return 0
 
 

@@ -16,6 +16,7 @@ import shlex
 import signal
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -244,6 +245,14 @@ def interleave(windows: dict[str, Callable[[], object]], rounds: int, seed: int 
 
 def median(values) -> float:
     return float(statistics.median(values))
+
+
+def report(result: dict, module: str, argv: list[str] | None) -> None:
+    """A two-server bench's JSON line: ``result`` with ``errors`` (non-200 answers in the measured
+    windows; 0 expected) and the ``command`` that reproduces it."""
+    result["errors"] = sum(ERRORS.values())
+    result["command"] = f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(json.dumps(result))
 
 
 def saturation_and_c1(variants: dict[str, list[str]], requests: list[tuple[bytes, int]], *, rounds: int,

@@ -214,7 +214,7 @@ def _check_concurrency(settings: Settings) -> None:
             f"where one engine's calls share a stream); use --concurrent-batches 1 with --device {settings.device}"
             + (" --backend tensorrt" if settings.backend == "tensorrt" else "")
         )
-    threads = settings.threads or len(os.sched_getaffinity(0))
+    threads = _total_threads(settings)
     if settings.concurrent_batches > threads:  # each batch's activations are held at once: bounded by the cores
         raise ModelLoadError(
             f"--concurrent-batches {settings.concurrent_batches} is more batches at once than the {threads} intra-op "
@@ -228,8 +228,12 @@ def backend_threads(settings: Settings) -> int:
     are refused at load)."""
     if settings.concurrent_batches == 1:
         return settings.threads
-    total = settings.threads or len(os.sched_getaffinity(0))
-    return max(1, total // settings.concurrent_batches)
+    return max(1, _total_threads(settings) // settings.concurrent_batches)
+
+
+def _total_threads(settings: Settings) -> int:
+    """``--threads``, else the CPUs this process may run on."""
+    return settings.threads or len(os.sched_getaffinity(0))
 
 
 def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
