@@ -1,7 +1,7 @@
 """`make bench`: every performance claim as a ratio measured side by side in one run.
 
     python -m loadtests.bench [--quick | --smoke] [--skip LIST] [--peers-python PY] [--peers-model NAME]
-        [--peers-ours-variant loose|concurrent2]
+        [--peers-ours-variant loose|concurrent2|spinoff] [--peers-session ort-defaults|softmoe]
 
 Sections, in the order they run (each prints its table; the last line of the run is one JSON
 object with every ratio):
@@ -33,6 +33,9 @@ object with every ratio):
              connections) reconnecting as soon as they are cut off (loadtests/attack_bench.py).
   concurrent `--concurrent-batches 2` vs 1 on soft-s16-e128 at max batch 8: throughput at saturation
              and p50 at concurrency 1 (loadtests/concurrent_bench.py).
+  spinning   `--ort-spinning run` (the default) vs off on soft-s16-e128 at max batch 8: the backend
+             alone at batch 1 and 8, then serving at saturation and at concurrency 1
+             (loadtests/spin_bench.py).
   layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
              eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
@@ -398,11 +401,11 @@ GOALS = {  # key: (comparison, target)
     "routing_stats_on_vs_off": (">=", 0.98),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "attack", "concurrent", "layers", "gpu")
+            "attack", "concurrent", "spinning", "layers", "gpu")
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, invariance_bench, peers_bench,
+    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, invariance_bench, peers_bench, spin_bench,
                            protocol_cost)
 
     argv = sys.argv[1:] if argv is None else argv
@@ -419,7 +422,10 @@ def main(argv: list[str] | None = None) -> None:
                         "package) or a variant to `softmoe init`, e.g. vit-s16")
     parser.add_argument("--peers-ours-variant", default="loose", choices=sorted(peers_bench.OURS_VARIANTS),
                         help="our second server in the peers section: loose (--no-strict-determinism) or concurrent2 "
-                        "(--concurrent-batches 2)")
+                        "(--concurrent-batches 2) or spinoff (--ort-spinning off)")
+    parser.add_argument("--peers-session", default="ort-defaults", choices=["ort-defaults", "softmoe"],
+                        help="the peers' ONNX Runtime session: ort-defaults (what their users write: only the thread "
+                        "count set) or softmoe (the session `softmoe serve` builds: only the front ends differ)")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     if skip - set(SECTIONS):
@@ -438,12 +444,13 @@ def main(argv: list[str] | None = None) -> None:
             "frontend": lambda: section_frontend(mode),
             "routing": lambda: section_routing(mode),
             "peers": lambda: peers_bench.section(mode, Path(tmp), args.peers_python, args.peers_model,
-                                                 args.peers_ours_variant),
+                                                 args.peers_ours_variant, args.peers_session),
             "invariance": lambda: invariance_bench.section(mode),
             "decode_nice": lambda: decode_nice_bench.section(mode),
             "protocol": lambda: protocol_cost.section(mode),
             "attack": lambda: attack_bench.section(mode),
             "concurrent": lambda: concurrent_bench.section(mode, Path(tmp)),
+            "spinning": lambda: spin_bench.section(mode, Path(tmp)),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

@@ -33,12 +33,16 @@ def _importable(python: str, module: str) -> bool:
 # Our second server beside the peers (``--peers-ours-variant``): its flags, after our defaults.
 # concurrent2 without the routing graph (the peers have none either): its weights once, so that on
 # soft-s16-e128 it fits beside the others in 23 GB (routing statistics cost 0-2%: the routing section).
-OURS_VARIANTS = {"loose": ["--no-strict-determinism"], "concurrent2": ["--concurrent-batches", "2", "--no-routing"]}
+# spinoff: ONNX Runtime's intra-op threads never spinning (our default spins within a batch).
+OURS_VARIANTS = {"loose": ["--no-strict-determinism"], "concurrent2": ["--concurrent-batches", "2", "--no-routing"],
+                 "spinoff": ["--ort-spinning", "off", "--no-routing"]}
 
 
-def section(mode: str, workdir: Path, python: str, model: str, variant: str = "loose") -> dict[str, float | str]:
+def section(mode: str, workdir: Path, python: str, model: str, variant: str = "loose",
+            session: str = "ort-defaults") -> dict[str, float | str]:
     """The peers section of loadtests/bench.py (see its docstring); the last JSON line's peer keys.
-    ``variant``: our second server, ``ours_<variant>`` (``OURS_VARIANTS``)."""
+    ``variant``: our second server, ``ours_<variant>`` (``OURS_VARIANTS``); ``session``: the peers'
+    ONNX Runtime session (loadtests/peers/common.py: ``ort-defaults`` or ``softmoe``)."""
     available = [name for name, (module, _) in PEERS.items() if _importable(python, module)]
     skipped = sorted(set(PEERS) - set(available))
     if skipped:
@@ -66,7 +70,7 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
     threads = len(os.sched_getaffinity(0))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     peer_flags = ["--onnx", str(onnx), "--name", model, "--max-batch-size", str(batch), "--max-delay-ms", str(delay),
-                  "--threads", str(threads)]
+                  "--threads", str(threads), "--session", session]
     photos = [jpeg(640, 480, i) for i in range(pick(mode, 32, 16, 4))]
     requests = [(json_request("/v1/classify", {"images": [b64(p)]}), 1) for p in photos]
     servers: dict[str, ServerProcess] = {}
@@ -119,13 +123,15 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
         tput = {name: median([w.rps for w in res[(name, "saturation")]]) for name in servers}
         p50 = {name: median([w.ms(50) for w in res[(name, "c1")]]) for name in servers}
         p99 = {name: median([w.ms(99) for w in res[(name, "c1")]]) for name in servers}
-        print(f"peers side by side: {model} ({onnx.name}), ONNX Runtime CPU, {threads} intra-op threads, max batch "
+        print(f"peers side by side: {model} ({onnx.name}), ONNX Runtime CPU, {threads} intra-op threads (the peers' "
+              f"session: {session}), max batch "
               f"{batch}, max delay {delay:g} ms, 640x480 JPEGs as base64 JSON, the server's decode+preprocess; ours = "
               f"`softmoe serve --backend onnxruntime` defaults (strict determinism; {proven_line(servers['ours'])}), "
               f"{second} = the same with {' '.join(OURS_VARIANTS[variant])}; {conc} clients at saturation; the other servers frozen in each window; median of windows:")
         print(f"  {'server':16} {'req/s sat.':>10} {'c1 p50 ms':>10} {'c1 p99 ms':>10} {'vs ours: tput':>14} "
               f"{'p50':>6} {'p99':>6}")
         out: dict[str, float | str] = {"peers": ",".join(n for n in available if n in servers), "peers_model": model,
+                                       "peers_session": session,
                                        "peers_ours_rps": round(tput["ours"], 1), "peers_ours_c1_p50_ms": round(p50["ours"], 2),
                                        "peers_ours_c1_p99_ms": round(p99["ours"], 2)}
         if skipped_memory:

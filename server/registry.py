@@ -258,7 +258,7 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
                                routing=settings.routing)
         return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
                                   threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
-                                  routing=settings.routing)
+                                  routing=settings.routing, spin=settings.ort_spinning)
     from .backends.tensorrt_backend import TensorRTBackend
 
     return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
@@ -290,7 +290,7 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
         files = [p for p in (path.with_name(f"{stem}.image.onnx"), path.with_name(f"{stem}.text.onnx")) if p.is_file()]
     backend = OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
                                  threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
-                                 routing=settings.routing)
+                                 routing=settings.routing, spin=settings.ort_spinning)
     pkg_meta = meta.get("package_config") or {}
     model = ServedModel(
         name=name, kind=meta["kind"], source=str(path), backend=backend,

@@ -1,6 +1,13 @@
 """What both peer apps share with `softmoe serve`: the exported graph and its metadata, the
 server's own decode (``server.pipeline.decode``) and preprocess (``softmoe_models.preprocess``),
-an ONNX Runtime session built as the server builds it, and the same top-k response body.
+an ONNX Runtime session on the same intra-op threads, and the same top-k response body.
+
+The session (``--session``): ``ort-defaults`` (default) is what a user of these servers writes,
+``ort.InferenceSession(path, sess_options)`` with only the thread count set, so ONNX Runtime's own
+defaults otherwise (full graph optimisation; the intra-op threads spin while they wait, and keep
+spinning for a while after a run); ``softmoe`` is the session `softmoe serve` builds
+(``export.runtime.ort_session`` with its spin policy ``run``), which leaves only the front ends
+to compare.
 
 Requests are ``{"images": ["<base64>"]}`` with one image (what the bench sends to every server);
 responses ``{"model": NAME, "results": [{"predictions": [{"label", "index", "score"}, ...]}]}``.
@@ -15,6 +22,9 @@ from pathlib import Path
 import numpy as np
 
 
+SESSIONS = ("ort-defaults", "softmoe")
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     """The flags both apps take; the bench passes the values `softmoe serve` runs with."""
     p = argparse.ArgumentParser(description=description)
@@ -26,15 +36,16 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-delay-ms", type=float, required=True, help="as `softmoe serve` runs (the bench passes it)")
     p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: the CPUs available)")
     p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--session", choices=SESSIONS, default="ort-defaults",
+                   help="ort-defaults: ONNX Runtime's defaults with the thread count set; softmoe: as `softmoe serve`")
     return p
 
 
 class PeerModel:
     """The exported classifier: JSON body -> pixels, a batch of pixels -> logits, logits -> result."""
 
-    def __init__(self, onnx_path: Path, threads: int = 0, top_k: int = 5) -> None:
+    def __init__(self, onnx_path: Path, threads: int = 0, top_k: int = 5, session: str = "ort-defaults") -> None:
         from export.onnx import read_metadata
-        from export.runtime import ort_session
         from softmoe_models.preprocess import PreprocessConfig
 
         meta = read_metadata(onnx_path)
@@ -43,7 +54,7 @@ class PeerModel:
         self.preprocess = PreprocessConfig.from_dict(meta["preprocess"])
         self.labels = meta.get("labels")
         self.activation = (meta.get("package_config") or {}).get("head_activation") or "softmax"
-        self.session = ort_session(onnx_path, threads=threads or None, providers=["CPUExecutionProvider"])
+        self.session = _session(onnx_path, threads, session)
         self.top_k = top_k
 
     def pixels(self, body: dict) -> np.ndarray:
@@ -68,3 +79,19 @@ class PeerModel:
         idx = np.argsort(-scores, kind="stable")[: min(self.top_k, len(scores))]
         labels = self.labels or [str(i) for i in range(len(scores))]
         return {"predictions": [{"label": labels[i], "index": int(i), "score": float(scores[i])} for i in idx]}
+
+
+def _session(onnx_path: Path, threads: int, kind: str):
+    """The peer's InferenceSession on ``threads`` intra-op threads (0: ONNX Runtime's choice)."""
+    import onnxruntime as ort
+
+    if kind == "softmoe":
+        from export.runtime import ort_session
+
+        return ort_session(onnx_path, threads=threads or None, providers=["CPUExecutionProvider"], spin="run")
+    if kind != "ort-defaults":
+        raise ValueError(f"unknown session {kind!r}: use one of {', '.join(SESSIONS)}")
+    opts = ort.SessionOptions()
+    if threads:
+        opts.intra_op_num_threads = threads
+    return ort.InferenceSession(str(onnx_path), sess_options=opts, providers=["CPUExecutionProvider"])

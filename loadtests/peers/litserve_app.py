@@ -2,7 +2,7 @@
 of up to ``--max-batch-size`` formed within ``--max-delay-ms`` (LitServe's ``batch_timeout``).
 
     python -m loadtests.peers.litserve_app --onnx model.onnx --port 8001 [--max-batch-size 8]
-                                           [--max-delay-ms 5] [--threads 2]
+                                           [--max-delay-ms 5] [--threads 2] [--session ort-defaults]
 
 ``POST /v1/classify`` with ``{"images": ["<base64>"]}``; ``GET /health``. Decoding and
 preprocessing run in ``decode_request`` (LitServe's inference worker, per request).
@@ -21,12 +21,12 @@ except ImportError as e:  # the bench checks this before starting the app
 
 
 class OnnxClassifier(ls.LitAPI):
-    def __init__(self, onnx, name: str, threads: int, top_k: int, **batching) -> None:
+    def __init__(self, onnx, name: str, threads: int, top_k: int, session: str, **batching) -> None:
         super().__init__(api_path="/v1/classify", **batching)
-        self.onnx, self.name, self.threads, self.top_k = onnx, name, threads, top_k
+        self.onnx, self.name, self.threads, self.top_k, self.session = onnx, name, threads, top_k, session
 
     def setup(self, device) -> None:
-        self.model = PeerModel(self.onnx, self.threads, self.top_k)
+        self.model = PeerModel(self.onnx, self.threads, self.top_k, self.session)
 
     def decode_request(self, request: dict) -> np.ndarray:
         return self.model.pixels(request)
@@ -46,7 +46,7 @@ class OnnxClassifier(ls.LitAPI):
 
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
-    api = OnnxClassifier(args.onnx, args.name, args.threads, args.top_k, max_batch_size=args.max_batch_size,
+    api = OnnxClassifier(args.onnx, args.name, args.threads, args.top_k, args.session, max_batch_size=args.max_batch_size,
                          batch_timeout=args.max_delay_ms / 1000)
     server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=30)
     server.run(host=args.host, port=args.port, log_level="warning", generate_client_file=False)

@@ -3,6 +3,7 @@
 
     python -m loadtests.peers.ray_app --onnx model.onnx --port 8002 [--max-batch-size 8]
                                       [--max-delay-ms 5] [--threads 2] [--max-ongoing-requests 128]
+                                      [--session ort-defaults]
 
 Starts a local Ray instance (no dashboard) and runs until SIGTERM, then shuts Serve and Ray down.
 ``POST /v1/classify`` with ``{"images": ["<base64>"]}``. ``max_ongoing_requests`` defaults to
@@ -27,8 +28,9 @@ except ImportError as e:  # the bench checks this before starting the app
 
 @serve.deployment(num_replicas=1)
 class Classifier:
-    def __init__(self, onnx, name: str, threads: int, top_k: int, max_batch_size: int, max_delay_ms: float) -> None:
-        self.model = PeerModel(onnx, threads, top_k)
+    def __init__(self, onnx, name: str, threads: int, top_k: int, session: str, max_batch_size: int,
+                 max_delay_ms: float) -> None:
+        self.model = PeerModel(onnx, threads, top_k, session)
         self.name = name
         self.predict.set_max_batch_size(max_batch_size)
         self.predict.set_batch_wait_timeout_s(max_delay_ms / 1000)
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         app = Classifier.options(max_ongoing_requests=args.max_ongoing_requests).bind(
-            str(args.onnx), args.name, args.threads, args.top_k, args.max_batch_size, args.max_delay_ms)
+            str(args.onnx), args.name, args.threads, args.top_k, args.session, args.max_batch_size, args.max_delay_ms)
         serve.run(app, name="peer", route_prefix="/v1/classify")
         stop.wait()
     finally:

@@ -134,7 +134,8 @@ class OnnxRuntimeBackend:
     name = "onnxruntime"
 
     def __init__(self, files: list[Path], *, device: str = "cpu", max_batch_size: int = 8, threads: int = 0,
-                 cuda_graph: bool = False, strict_placement: bool = False, routing: bool = True) -> None:
+                 cuda_graph: bool = False, strict_placement: bool = False, routing: bool = True,
+                 spin: str = "run") -> None:
         """Sessions for ``files``. On cuda only the CUDA EP is requested (deterministic options,
         ``server.backends.cuda``) and every session must really have it active, else
         ``DeviceUnavailableError``: never served from CPU.
@@ -144,6 +145,8 @@ class OnnxRuntimeBackend:
             device: cpu | cuda.
             max_batch_size: the largest batch ``run`` receives.
             threads: intra-op threads (0: the CPUs available).
+            spin: on cpu, the intra-op threads' spin policy (``export.runtime.session_options``):
+                ``run`` spins within a batch and sleeps after it, ``off`` never spins.
             cuda_graph: on cuda, ORT's CUDA-graph mode with I/O binding; calls are padded to
                 ``max_batch_size`` (one captured shape per session).
             strict_placement: on cuda, refuse a graph with any node on the CPU EP.
@@ -159,6 +162,7 @@ class OnnxRuntimeBackend:
         if device == "cuda":
             ort_cuda_preflight(ort)
         self.device, self.max_batch_size = device, max_batch_size
+        self.spin = spin if device == "cpu" else None
         self.cuda_graph = cuda_graph and device == "cuda"
         self.sessions = {}
         self.functions: dict[str, FunctionSpec] = {}
@@ -178,7 +182,7 @@ class OnnxRuntimeBackend:
                                         threads=threads or None)
                 require_ort_provider(sess, path)
             else:
-                sess = ort_session(path, threads=threads or None, providers=["CPUExecutionProvider"])
+                sess = ort_session(path, threads=threads or None, providers=["CPUExecutionProvider"], spin=spin)
             self.sessions[fn] = sess
             self.metadata[fn] = meta
             inputs = tuple(
@@ -229,8 +233,11 @@ class OnnxRuntimeBackend:
     def describe(self) -> dict:
         import onnxruntime as ort
 
-        return {"backend": "onnxruntime", "device": self.device_used, "precision": self.precision,
-                "providers": self.providers, "cuda_graph": self.cuda_graph, "onnxruntime": ort.__version__}
+        out = {"backend": "onnxruntime", "device": self.device_used, "precision": self.precision,
+               "providers": self.providers, "cuda_graph": self.cuda_graph, "onnxruntime": ort.__version__}
+        if self.spin is not None:  # cpu: --ort-spinning
+            out["ort_spinning"] = self.spin
+        return out
 
     def close(self) -> None:
         self._graph_runners.clear()

@@ -172,3 +172,28 @@ def test_cli_failures_are_one_line(pkgs, args, message):
 def test_cli_not_a_package(tmp_path):
     r = _cli("onnx", str(tmp_path))
     assert r.returncode == 2 and "not a model package" in r.stderr
+
+
+def test_spin_policies_set_onnxruntime_config_and_refuse_unknown():
+    from export.runtime import session_options
+
+    run, off = session_options(2, spin="run"), session_options(2, spin="off")
+    assert run.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    assert run.get_session_config_entry("session.force_spinning_stop") == "1"  # an idle server sleeps
+    assert off.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert run.intra_op_num_threads == off.intra_op_num_threads == 2
+    with pytest.raises(ValueError, match="unknown spin policy 'always'"):
+        session_options(2, spin="always")
+
+
+def test_spinning_within_a_run_gives_bitwise_the_outputs_of_never_spinning(pkgs, tmp_path):
+    """The spin policy changes how idle workers wait, never how the work is split: the per-expert
+    export on 2 threads gives the same bits either way, at every batch the server runs."""
+    export_onnx(pkgs["softmoe_e8p1"], tmp_path / "m.onnx", experts="per-expert", **QUIET)
+    sessions = {spin: ort_session(tmp_path / "m.onnx", threads=2, spin=spin) for spin in ("off", "run")}
+    rng = np.random.default_rng(5)
+    for batch in (1, 2, 8):
+        x = rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)
+        outs = {spin: s.run(None, {"pixel_values": x}) for spin, s in sessions.items()}
+        for a, b in zip(outs["off"], outs["run"]):
+            assert a.tobytes() == b.tobytes()

@@ -38,6 +38,8 @@ KEYS = (
     "attack_throughput_ratio", "attack_errors", "attack_clients_cut",
     # --concurrent-batches 2 vs 1
     "concurrent_batches_throughput_ratio", "concurrent_batches_c1_p50_ratio",
+    # --ort-spinning run vs off: the backend alone, then serving
+    "spin_backend_b1_speedup", "spin_backend_bmax_speedup", "spin_saturation_ratio", "spin_c1_p50_ratio",
     # routing statistics on vs off
     "routing_stats_on_vs_off", "routing_stats_on_vs_off_paired", "routing_stats_every_call_vs_off",
     # the run
@@ -97,3 +99,8 @@ def test_peers_report_every_ratio_or_are_skipped(smoke):
     strays = [k for k in result if k.startswith("peer_") and not any(k.startswith(f"peer_{n}_") for n in ran)]
     assert not strays
 
+
+
+def test_spinning_section_compares_the_bits_of_both_policies(smoke):
+    _, result = smoke
+    assert result["spin_outputs_bitwise_equal"] is True

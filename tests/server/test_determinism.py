@@ -31,7 +31,7 @@ def served(request, packages, tmp_path_factory):
     threads = torch.get_num_threads()
     try:
         with live_server(create_app(settings)) as u:
-            yield u, concurrent
+            yield u, concurrent, backend
     finally:
         torch.set_num_threads(threads)  # the torch backend sets it for the whole process
 
@@ -42,9 +42,11 @@ def url(served):
 
 
 def test_models_endpoint_says_how_many_batches_run_at_once(served):
-    url, concurrent = served
+    url, concurrent, backend = served
     params = httpx.get(f"{url}/v2/models/golden", timeout=10).json()["parameters"]
     assert params["concurrent_batches"] == concurrent
+    # onnxruntime on cpu says its threads' spin policy (the default: spinning within a batch)
+    assert params.get("ort_spinning") == ("run" if backend == "onnxruntime" else None)
     listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models", timeout=10).json()["data"]}
     assert listed["lit"]["batching"]["concurrent_batches"] == concurrent
 

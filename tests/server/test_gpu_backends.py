@@ -177,6 +177,9 @@ def test_ort_cpu_describe(tiny_onnx):
     d = OnnxRuntimeBackend([tiny_onnx]).describe()
     assert (d["backend"], d["device"], d["precision"]) == ("onnxruntime", "cpu", "fp32")
     assert d["providers"] == {"classify": ["CPUExecutionProvider"]}
+    assert d["ort_spinning"] == "run"  # the default; what the session really got:
+    opts = OnnxRuntimeBackend([tiny_onnx], spin="off").sessions["classify"].get_session_options()
+    assert opts.get_session_config_entry("session.intra_op.allow_spinning") == "0"
 
 
 @no_cuda
