@@ -17,13 +17,11 @@ threads and takes longer.
 
 from __future__ import annotations
 
-import argparse
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from loadtests.harness import jpeg, jpeg_request, median, report, saturation_and_c1
+from loadtests.harness import ab_parser, heavy_package, jpeg, jpeg_request, median, report, saturation_and_c1
 
 
 def run(package: str | None, *, rounds: int, seconds: float, clients: int, max_batch_size: int,
@@ -51,12 +49,7 @@ def section(mode: str, workdir: Path) -> dict[str, Any]:
     """`make bench`'s concurrent section: soft-s16-e128 at max batch 8 (the peers' limits; a heavy
     model on few cores, where it pays), digits in --smoke."""
     rounds, seconds = {"full": (4, 10.0), "quick": (2, 6.0), "smoke": (1, 0.3)}[mode]
-    package = None
-    if mode != "smoke":
-        package = workdir / "soft-s16-e128"
-        if not package.exists():  # the serving section's, when it ran (seed 0: the same weights, the same export)
-            subprocess.run([sys.executable, "-m", "softmoe_models.cli", "init", "soft-s16-e128", "--out", str(package)],
-                           check=True, stdout=subprocess.DEVNULL)
+    package = heavy_package(mode, workdir)
     name = "digits" if package is None else "soft-s16-e128"
     print(f"\n--concurrent-batches 2 vs 1, {name}, max batch 8, 32 clients, {rounds} rounds x {seconds:g} s, "
           "224x224 JPEGs:")
@@ -64,12 +57,7 @@ def section(mode: str, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--package", help="a model package directory (default: the built-in digits)")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser = ab_parser(__doc__.splitlines()[0], seconds=8.0, clients=64, max_batch_size=32)
     args = parser.parse_args(argv)
     result = run(args.package, rounds=args.rounds, seconds=args.seconds, clients=args.clients,
                  max_batch_size=args.max_batch_size, log=lambda m: print(m, file=sys.stderr, flush=True))

@@ -15,11 +15,10 @@ the work and it costs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Any
 
-from loadtests.harness import jpeg, jpeg_request, median, report, saturation_and_c1
+from loadtests.harness import ab_parser, jpeg, jpeg_request, median, report, saturation_and_c1
 
 
 def run(package: str | None, *, nice: int, rounds: int, seconds: float, clients: int, max_batch_size: int,
@@ -53,13 +52,8 @@ def section(mode: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--package", help="a model package directory (default: the built-in digits)")
+    parser = ab_parser(__doc__.splitlines()[0], seconds=25.0, clients=64, max_batch_size=32)
     parser.add_argument("--nice", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=25.0)
-    parser.add_argument("--clients", type=int, default=64)
-    parser.add_argument("--max-batch-size", type=int, default=32)
     args = parser.parse_args(argv)
     result = run(args.package, nice=args.nice, rounds=args.rounds, seconds=args.seconds, clients=args.clients,
                  max_batch_size=args.max_batch_size, log=lambda m: print(m, file=sys.stderr, flush=True))

@@ -5,6 +5,7 @@ loadtests/bench.py and every section that lives beside it (peers_bench, invarian
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import base64
 import contextlib
@@ -274,6 +275,31 @@ def saturation_and_c1(variants: dict[str, list[str]], requests: list[tuple[bytes
         for s in servers.values():
             s.stop()
     return sat, c1
+
+
+def ab_parser(description: str, *, seconds: float, clients: int, max_batch_size: int) -> argparse.ArgumentParser:
+    """The flags every two-server bench takes (``--package``, ``--rounds``, ``--seconds``,
+    ``--clients``, ``--max-batch-size``), with that bench's defaults."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--package", help="a model package directory (default: the built-in digits)")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=seconds)
+    parser.add_argument("--clients", type=int, default=clients)
+    parser.add_argument("--max-batch-size", type=int, default=max_batch_size)
+    return parser
+
+
+def heavy_package(mode: str, workdir: Path) -> Path | None:
+    """The two-server sections' heavy model: ``softmoe init soft-s16-e128`` in ``workdir`` (reused
+    when the serving section made it: seed 0, the same weights, the same export); None in smoke
+    mode, where those sections run the shipped digits."""
+    if mode == "smoke":
+        return None
+    package = workdir / "soft-s16-e128"
+    if not package.exists():
+        subprocess.run([sys.executable, "-m", "softmoe_models.cli", "init", "soft-s16-e128", "--out", str(package)],
+                       check=True, stdout=subprocess.DEVNULL)
+    return package
 
 
 def jpeg(width: int, height: int, seed: int) -> bytes:

@@ -26,7 +26,6 @@ from sleep: it pays most for a lone request on a heavy model (`softmoe init soft
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtests.harness import b64, jpeg, json_request, median, report, saturation_and_c1
+from loadtests.harness import ab_parser, b64, heavy_package, jpeg, json_request, median, report, saturation_and_c1
 
 
 def backend_alone(package: Path, *, batches: tuple[int, ...], rounds: int, log=print) -> dict[str, Any]:
@@ -106,12 +105,7 @@ def section(mode: str, workdir: Path) -> dict[str, Any]:
     """`make bench`'s spinning section: soft-s16-e128 at max batch 8 (the peers' limits), digits in
     --smoke."""
     rounds, seconds = {"full": (4, 8.0), "quick": (2, 5.0), "smoke": (1, 0.3)}[mode]
-    package = None
-    if mode != "smoke":
-        package = workdir / "soft-s16-e128"
-        if not package.exists():  # the serving section's, when it ran (seed 0: the same weights, the same export)
-            subprocess.run([sys.executable, "-m", "softmoe_models.cli", "init", "soft-s16-e128", "--out", str(package)],
-                           check=True, stdout=subprocess.DEVNULL)
+    package = heavy_package(mode, workdir)
     name = "digits" if package is None else "soft-s16-e128"
     print(f"\n--ort-spinning run vs off, {name}, max batch 8, 32 clients, {rounds} rounds x {seconds:g} s, "
           "640x480 JPEGs:")
@@ -119,12 +113,7 @@ def section(mode: str, workdir: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--package", help="a model package directory (default: the built-in digits)")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--max-batch-size", type=int, default=8)
+    parser = ab_parser(__doc__.splitlines()[0], seconds=8.0, clients=32, max_batch_size=8)
     parser.add_argument("--backend-alone", action="store_true", help="only the backend part, --rounds calls each "
                         "(the bench runs it as a child process)")
     args = parser.parse_args(argv)
