@@ -152,8 +152,8 @@ class Settings(BaseSettings):
     ort_spinning: Literal["run", "off"] = Field(
         "run",
         description="onnxruntime on cpu: run: the intra-op threads spin between the parallel steps of a batch and "
-        "sleep once it is done (soft-s16-e128 on 2 cores: 1.15x faster at batch 8, 1.25x at batch 1; the same "
-        "outputs); off: they sleep whenever they wait, leaving the cores to the front end",
+        "sleep once it is done (soft-s16-e128 on 2 cores: a lone request's p50 0.91x, throughput 0.97x within the "
+        "spread; the same outputs); off: they sleep whenever they wait, leaving the cores to other work",
     )
     ort_cuda_graph: bool = Field(
         False, description="onnxruntime on cuda: CUDA-graph mode with I/O binding, every batch padded to max_batch_size",
