@@ -407,6 +407,7 @@ SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "in
 def main(argv: list[str] | None = None) -> None:
     from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, invariance_bench, peers_bench, spin_bench,
                            protocol_cost)
+    from loadtests.peers.common import SESSIONS
 
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description="softmoe-serve benchmarks (ratios measured side by side)")
@@ -423,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peers-ours-variant", default="loose", choices=sorted(peers_bench.OURS_VARIANTS),
                         help="our second server in the peers section: loose (--no-strict-determinism) or concurrent2 "
                         "(--concurrent-batches 2) or spinoff (--ort-spinning off)")
-    parser.add_argument("--peers-session", default="ort-defaults", choices=["ort-defaults", "softmoe"],
+    parser.add_argument("--peers-session", default="ort-defaults", choices=SESSIONS,
                         help="the peers' ONNX Runtime session: ort-defaults (what their users write: only the thread "
                         "count set) or softmoe (the session `softmoe serve` builds: only the front ends differ)")
     args = parser.parse_args(argv)

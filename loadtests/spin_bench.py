@@ -45,10 +45,10 @@ def backend_alone(package: Path, *, batches: tuple[int, ...], rounds: int, log=p
     from server.backends.onnxruntime_backend import exported_files
 
     files = exported_files(package, "", "fp32", log=lambda m: None)  # the cache `softmoe serve` reuses
-    onnx = next(f for f in files if read_metadata(f).get("graph") == "classifier")
+    onnx, meta = next((f, m) for f in files if (m := read_metadata(f)).get("graph") == "classifier")
     sessions = {spin: ort_session(onnx, spin=spin) for spin in ("off", "run")}
     name = sessions["off"].get_inputs()[0].name
-    size = read_metadata(onnx)["preprocess"]["image_size"]
+    size = meta["preprocess"]["image_size"]
     rng = np.random.default_rng(3)
     out: dict[str, Any] = {}
     equal = True

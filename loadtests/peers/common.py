@@ -6,7 +6,7 @@ The session (``--session``): ``ort-defaults`` (default) is what a user of these 
 ``ort.InferenceSession(path, sess_options)`` with only the thread count set, so ONNX Runtime's own
 defaults otherwise (full graph optimisation; the intra-op threads spin while they wait, and keep
 spinning for a while after a run); ``softmoe`` is the session `softmoe serve` builds
-(``export.runtime.ort_session`` with its spin policy ``run``), which leaves only the front ends
+(``export.runtime.ort_session`` with the server's default spin policy), which leaves only the front ends
 to compare.
 
 Requests are ``{"images": ["<base64>"]}`` with one image (what the bench sends to every server);
@@ -87,8 +87,10 @@ def _session(onnx_path: Path, threads: int, kind: str):
 
     if kind == "softmoe":
         from export.runtime import ort_session
+        from server.settings import Settings
 
-        return ort_session(onnx_path, threads=threads or None, providers=["CPUExecutionProvider"], spin="run")
+        spin = Settings.model_fields["ort_spinning"].default
+        return ort_session(onnx_path, threads=threads or None, providers=["CPUExecutionProvider"], spin=spin)
     if kind != "ort-defaults":
         raise ValueError(f"unknown session {kind!r}: use one of {', '.join(SESSIONS)}")
     opts = ort.SessionOptions()
