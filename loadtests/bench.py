@@ -350,16 +350,32 @@ def section_frontend(mode: str) -> dict[str, float]:
                   f"{per_cpu((k, kind), Load.items_per_s.fget):17.1f} {busy:16.2f} {client:16.2f}")
         rps1, rpsn = med((1, "1img"), Load.rps.fget), med((n, "1img"), Load.rps.fget)
         img1, imgn = med((1, "8img"), Load.items_per_s.fget), med((n, "8img"), Load.items_per_s.fget)
+
+        def room(kind: str) -> float:
+            """How many one-process servers the cores can run at their measured load: N, or fewer
+            where one process already keeps more than cores / N busy (its decode threads run
+            beside its event loop); the cores are those the client leaves with N processes."""
+            busy1 = med((1, kind), lambda w: (w.server_cpu or float("nan")) / w.seconds)
+            free = cores - med((n, kind), lambda w: w.client_cpu / w.seconds)
+            return min(n, free / busy1) if busy1 > 0 else float(n)
+
+        rooms = {kind: room(kind) for kind in ("1img", "8img")}
+        print(f"  scaling = N processes' req/s over one's x min(N, the cores the client leaves / the CPUs one "
+              f"process keeps busy): {rooms['1img']:.2f} (one image per request), {rooms['8img']:.2f} (eight); "
+              f"over one's x N: {rpsn / (n * rps1):.2f} and {imgn / (n * img1):.2f}")
         return {
             "frontend_rps_1": round(rps1, 1),
             "frontend_rps_n": round(rpsn, 1),
             "frontend_processes": n,
             "frontend_rps_per_core": round(per_cpu((1, "1img"), Load.rps.fget), 1),
-            "frontend_scaling": round(rpsn / (n * rps1), 3),
+            "frontend_scaling": round(rpsn / (rooms["1img"] * rps1), 3),
+            "frontend_scaling_per_process": round(rpsn / (n * rps1), 3),
+            "frontend_room": round(rooms["1img"], 2),
             "frontend_img_per_s_1": round(img1, 1),
             "frontend_img_per_s_n": round(imgn, 1),
             "frontend_img_per_s_per_core": round(per_cpu((1, "8img"), Load.items_per_s.fget), 1),
-            "frontend_img_scaling": round(imgn / (n * img1), 3),
+            "frontend_img_scaling": round(imgn / (rooms["8img"] * img1), 3),
+            "frontend_img_scaling_per_process": round(imgn / (n * img1), 3),
         }
     finally:
         for s in servers:
@@ -393,12 +409,15 @@ def section_gpu(mode: str) -> dict[str, float | str]:
     return gpu_run(quick=mode == "quick", budget_s=150.0 if mode == "quick" else 300.0)
 
 
-GOALS = {  # key: (comparison, target)
+GOALS = {  # key: (comparison, target); the last four are issue 14's
     "fused_vs_reference_ort_b8": (">=", 2.0),
     "batching_vs_b1": (">=", 3.0),
-    "e2e_vs_raw": (">=", 0.85),
     "strict_determinism_cost": ("<=", 0.15),
     "routing_stats_on_vs_off": (">=", 0.98),
+    "strict_c1_p50_ratio": ("<=", 1.2),
+    "strict_saturation_ratio": (">=", 0.95),
+    "e2e_over_raw": (">=", 0.95),
+    "frontend_scaling": (">=", 0.8),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
             "attack", "concurrent", "spinning", "layers", "gpu")

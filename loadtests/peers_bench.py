@@ -18,7 +18,7 @@ from typing import Callable
 
 from loadtests.harness import (ROOT, Child, Load, b64, interleave, jpeg, json_request, load, median, pick, proven_line,
                                wait_answers)
-from loadtests.procs import frozen, mem_available
+from loadtests.procs import descendants, frozen, mem_available
 from loadtests.run import ServerProcess, free_port, wait_ready
 
 
@@ -112,8 +112,8 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
         load([s.port for s in servers.values()], requests, pick(mode, 2.0, 1.0, 0.2), 2 * len(servers))  # warm all
         window, rounds, conc = pick(mode, (5.0, 3, 32), (3.0, 2, 32), (0.3, 1, 8))
         def alone(s: ServerProcess, concurrency: int) -> Load:
-            with frozen([o for o in servers.values() if o is not s]):
-                return load([s.port], requests, window, concurrency, label="peers")
+            with frozen([o for o in servers.values() if o is not s]):  # its CPU: every process below it
+                return load([s.port], requests, window, concurrency, pids=descendants(s.proc.pid), label="peers")
 
         windows = {}
         for name, s in servers.items():
@@ -123,28 +123,34 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
         tput = {name: median([w.rps for w in res[(name, "saturation")]]) for name in servers}
         p50 = {name: median([w.ms(50) for w in res[(name, "c1")]]) for name in servers}
         p99 = {name: median([w.ms(99) for w in res[(name, "c1")]]) for name in servers}
+        # CPU-ms a server spends per request at saturation (all its processes; the load generator
+        # is not in it): where the model takes nearly all of it, throughputs can only tie.
+        cpu = {name: median([1000 * w.server_cpu / w.requests if w.server_cpu is not None and w.requests else
+                             float("nan") for w in res[(name, "saturation")]]) for name in servers}
         print(f"peers side by side: {model} ({onnx.name}), ONNX Runtime CPU, {threads} intra-op threads (the peers' "
               f"session: {session}), max batch "
               f"{batch}, max delay {delay:g} ms, 640x480 JPEGs as base64 JSON, the server's decode+preprocess; ours = "
               f"`softmoe serve --backend onnxruntime` defaults (strict determinism; {proven_line(servers['ours'])}), "
               f"{second} = the same with {' '.join(OURS_VARIANTS[variant])}; {conc} clients at saturation; the other servers frozen in each window; median of windows:")
-        print(f"  {'server':16} {'req/s sat.':>10} {'c1 p50 ms':>10} {'c1 p99 ms':>10} {'vs ours: tput':>14} "
-              f"{'p50':>6} {'p99':>6}")
+        print(f"  {'server':16} {'req/s sat.':>10} {'CPU ms/req':>10} {'c1 p50 ms':>10} {'c1 p99 ms':>10} "
+              f"{'vs ours: tput':>14} {'p50':>6} {'p99':>6} {'CPU':>6}")
         out: dict[str, float | str] = {"peers": ",".join(n for n in available if n in servers), "peers_model": model,
                                        "peers_session": session,
                                        "peers_ours_rps": round(tput["ours"], 1), "peers_ours_c1_p50_ms": round(p50["ours"], 2),
-                                       "peers_ours_c1_p99_ms": round(p99["ours"], 2)}
+                                       "peers_ours_c1_p99_ms": round(p99["ours"], 2),
+                                       "peers_ours_cpu_ms_per_request": round(cpu["ours"], 2)}
         if skipped_memory:
             out["peers_skipped_memory"] = ",".join(skipped_memory)
         for name in servers:
-            ratios = (tput[name] / tput["ours"], p50[name] / p50["ours"], p99[name] / p99["ours"])
-            print(f"  {name:16} {tput[name]:10.1f} {p50[name]:10.2f} {p99[name]:10.2f} {ratios[0]:14.2f} "
-                  f"{ratios[1]:6.2f} {ratios[2]:6.2f}")
+            ratios = (tput[name] / tput["ours"], p50[name] / p50["ours"], p99[name] / p99["ours"], cpu[name] / cpu["ours"])
+            print(f"  {name:16} {tput[name]:10.1f} {cpu[name]:10.2f} {p50[name]:10.2f} {p99[name]:10.2f} "
+                  f"{ratios[0]:14.2f} {ratios[1]:6.2f} {ratios[2]:6.2f} {ratios[3]:6.2f}")
             if name != "ours":
                 prefix = f"peers_{name}" if name == second else f"peer_{name}"
                 out[f"{prefix}_throughput_ratio"] = round(ratios[0], 3)
                 out[f"{prefix}_c1_p50_ratio"] = round(ratios[1], 3)
                 out[f"{prefix}_c1_p99_ratio"] = round(ratios[2], 3)
+                out[f"{prefix}_cpu_per_request_ratio"] = round(ratios[3], 3)
         return out
     finally:
         for s in servers.values():

@@ -27,7 +27,8 @@ KEYS = (
     "batching_vs_b1", "strict_determinism_cost", "strict_saturation_ratio", "strict_c1_p50_ratio",
     "strict_fullpad_c1_p50_ratio", "e2e_vs_raw", "e2e_over_raw",
     # frontend
-    "frontend_rps_1", "frontend_rps_per_core", "frontend_scaling", "frontend_img_per_s_1",
+    "frontend_rps_1", "frontend_rps_per_core", "frontend_scaling", "frontend_scaling_per_process", "frontend_room",
+    "frontend_img_per_s_1",
     # the batch-invariant layer forms (torch, CPU)
     "invariance_strict_c1_speedup", "invariance_b1_cost", "invariance_b8_cost",
     # --decode-nice 10 vs 0
@@ -93,7 +94,8 @@ def test_peers_report_every_ratio_or_are_skipped(smoke):
     if not ran:
         assert "skipped" in r.stdout
     for name in ran:
-        for key in (f"peer_{name}_throughput_ratio", f"peer_{name}_c1_p50_ratio", f"peer_{name}_c1_p99_ratio"):
+        for key in (f"peer_{name}_throughput_ratio", f"peer_{name}_c1_p50_ratio", f"peer_{name}_c1_p99_ratio",
+                    f"peer_{name}_cpu_per_request_ratio"):
             v = result.get(key)
             assert isinstance(v, (int, float)) and math.isfinite(v), f"{key} = {v!r}"
     strays = [k for k in result if k.startswith("peer_") and not any(k.startswith(f"peer_{n}_") for n in ran)]
