@@ -15,12 +15,14 @@ object with every ratio):
              concurrency 1.
   frontend   The server's own cost: the whole front end with a backend that does no model work
              (loadtests/noop_server.py), requests/s and images/s per process and per CPU-second,
-             1 process vs N independent processes (N = the CPUs, at least 2).
+             1 process vs N independent processes (N = the CPUs, at least 2); frontend_scaling
+             counts N only up to the cores (frontend_room: where one process keeps more than
+             cores / N busy, fewer fit).
   peers      The same exported ONNX graph with the same batching limits, decode and threads behind
              `softmoe serve --backend onnxruntime` (and a second ours: --no-strict-determinism, or
-             --concurrent-batches 2 with --peers-ours-variant concurrent2), LitServe and
-             Ray Serve (loadtests/peers/; the section is loadtests/peers_bench.py): throughput at
-             saturation and p50/p99 at concurrency 1, as ratios to ours. A peer whose package does not import under --peers-python is skipped
+             another --peers-ours-variant), LitServe and Ray Serve (loadtests/peers/; the section is
+             loadtests/peers_bench.py): throughput at saturation, p50/p99 at concurrency 1 and
+             CPU-ms per request at saturation (every process of a server), as ratios to ours. A peer whose package does not import under --peers-python is skipped
              (its keys are absent). Servers start one at a time; one whose expected footprint
              does not fit the memory left is not started (peers_skipped_memory names it). In
              each window the other servers are frozen (SIGSTOP): idle LitServe polls its queues
