@@ -63,6 +63,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -155,20 +156,33 @@ def section_layers(mode: str) -> dict[str, float]:
 
 
 def _raw_worker(conn, spec: str, batch: int, size: int, settings: dict) -> None:
-    """RawBackend's child: the backend as `softmoe serve` builds it, timed on request."""
+    """RawBackend's child: the backend as `softmoe serve` builds it, timed on request, called by as
+    many threads at once as the server runs batches at once (``--concurrent-batches``: with
+    ``--wide-lone-batches`` the server's batches at saturation run beside each other on the classify
+    session, with its share of the threads)."""
     from server.registry import load_served_model
     from server.settings import Settings
 
-    backend = load_served_model(spec, Settings(**settings), log=lambda m: None).backend
+    resolved = Settings(**settings)
+    backend = load_served_model(spec, resolved, log=lambda m: None).backend
     pixels = {"pixel_values": np.random.default_rng(0).uniform(-1, 1, (batch, 3, size, size)).astype(np.float32)}
     backend.run("classify", pixels)
+    callers = resolved.concurrent_batches
     conn.send("ready")
     while (seconds := conn.recv()) is not None:
-        t0, n = time.perf_counter(), 0
-        while time.perf_counter() - t0 < seconds or n == 0:
-            backend.run("classify", pixels)
-            n += batch
-        conn.send(n / (time.perf_counter() - t0))
+        t0, counts = time.perf_counter(), [0] * callers
+
+        def call(i: int) -> None:
+            while time.perf_counter() - t0 < seconds or counts[i] == 0:
+                backend.run("classify", pixels)
+                counts[i] += batch
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        conn.send(sum(counts) / (time.perf_counter() - t0))
     backend.close()
 
 
@@ -277,7 +291,8 @@ def section_serving(mode: str, workdir: Path) -> dict[str, float]:
 
         raw = RawBackend(f"{name}={pkg}", batch, size, max_batch_size=batch)
         try:
-            med = show(f"{head}: end to end (640x480 JPEGs, strict) vs the raw backend at batch {batch}",
+            med = show(f"{head}: end to end (640x480 JPEGs, strict) vs the raw backend at batch {batch}, "
+                       f"{settings.concurrent_batches} call(s) at once as the server runs them",
                        interleave({"raw_backend": lambda: raw.window(window), "e2e_classify_640x480_jpeg":
                                    sat("dynamic_strict", large)}, rounds, seed=1), "img/s")
         finally:

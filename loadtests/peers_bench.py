@@ -31,10 +31,12 @@ def _importable(python: str, module: str) -> bool:
 
 
 # Our second server beside the peers (``--peers-ours-variant``): its flags, after our defaults.
-# concurrent2 without the routing graph (the peers have none either): its weights once, so that on
-# soft-s16-e128 it fits beside the others in 23 GB (routing statistics cost 0-2%: the routing section).
+# concurrent2: two batches at once on one thread each, whether alone or not (--no-wide-lone-batches;
+# our default runs a lone batch on every thread), without the routing graph (the peers have none
+# either): its weights once, so that on soft-s16-e128 it fits beside the others in 23 GB.
 # spinoff: ONNX Runtime's intra-op threads never spinning (our default spins within a batch).
-OURS_VARIANTS = {"loose": ["--no-strict-determinism"], "concurrent2": ["--concurrent-batches", "2", "--no-routing"],
+OURS_VARIANTS = {"loose": ["--no-strict-determinism"],
+                 "concurrent2": ["--concurrent-batches", "2", "--no-wide-lone-batches", "--no-routing"],
                  "spinoff": ["--ort-spinning", "off", "--no-routing"]}
 
 

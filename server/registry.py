@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ class RoutingState:
     window: routing_lib.Window
     sample: int  # statistics from 1 in `sample` calls of `plain` (0: off)
     shared: bool = False  # a sampled call runs the routing graph alone (start-up proved it bitwise equal)
+    lone: bool = False  # --wide-lone-batches: a call that runs alone runs the routing graph (when shared)
+    beside: bool = True  # --wide-lone-batches: calls may run beside others (a full batch is long enough)
     calls: int = 0
     series: dict[str, Any] = field(default_factory=dict)  # the model's metric children
 
@@ -65,6 +68,39 @@ class RoutingState:
             return {**out, **{k: extra[k] for k in routing_lib.STATS}}
 
         return run
+
+    def lanes(self, call, backend: Backend):
+        """``(plan, fn)`` of the plain function's queue under ``--wide-lone-batches``
+        (``ModelQueue.plan`` and ``.fn``). The plan decides on the worker, under the batcher's lock:
+        beside other calls, ``call`` (the plain graph's session, a share of the threads); alone, the
+        routing graph's (every thread; its plain outputs proven bitwise equal, ``shared``); a sampled
+        call alone, with the statistics. ``fn`` then runs what its worker's plan decided. Until
+        proven (or if the proof failed), every call runs beside, as ``sampling`` has it."""
+        names = backend.functions[self.plain].outputs
+        fallback = self.sampling(call, backend) if self.sample else call
+        lock = threading.Lock()
+        decided = threading.local()  # the lane of the call this worker is about to make
+
+        def plan(beside: bool) -> bool:
+            if not self.shared:
+                decided.lane = None
+                return True
+            with lock:
+                self.calls += 1
+                sampled = bool(self.sample) and self.calls % self.sample == 0
+            decided.lane = "stats" if sampled else "beside" if beside and self.beside else "alone"
+            return decided.lane == "beside"
+
+        def run(rows):
+            lane = getattr(decided, "lane", None)
+            if lane is None:
+                return fallback(rows)
+            if lane == "beside":
+                return call(rows)
+            out = backend.run(ROUTING, rows)
+            return {k: out[k] for k in (*names, *(routing_lib.STATS if lane == "stats" else ()))}
+
+        return plan, run
 
     def bind(self, metrics: Metrics, model: str) -> None:
         """Create the model's routing series and keep them (no label lookups on the hot path)."""
@@ -222,6 +258,18 @@ def _check_concurrency(settings: Settings) -> None:
             f"most {threads}")
 
 
+def wide_lone(settings: Settings) -> bool:
+    """Whether ``--wide-lone-batches`` applies: several batches at once on onnxruntime on cpu."""
+    return (settings.wide_lone_batches and settings.concurrent_batches > 1 and settings.device == "cpu"
+            and settings.backend == "onnxruntime")
+
+
+def lone_threads(settings: Settings) -> int:
+    """Intra-op threads of the sessions that run alone under ``--wide-lone-batches`` (all of
+    them), else 0 (every session has ``backend_threads``)."""
+    return _total_threads(settings) if wide_lone(settings) else 0
+
+
 def backend_threads(settings: Settings) -> int:
     """Intra-op threads of one backend call: ``--threads`` (0: the backend's default, the CPUs
     available), divided among ``--concurrent-batches`` (at least 1 each: more batches than threads
@@ -258,7 +306,8 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
                                routing=settings.routing)
         return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
                                   threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
-                                  routing=settings.routing, spin=settings.ort_spinning)
+                                  routing=settings.routing, spin=settings.ort_spinning,
+                                  lone_threads=lone_threads(settings))
     from .backends.tensorrt_backend import TensorRTBackend
 
     return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
@@ -290,7 +339,8 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
         files = [p for p in (path.with_name(f"{stem}.image.onnx"), path.with_name(f"{stem}.text.onnx")) if p.is_file()]
     backend = OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
                                  threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
-                                 routing=settings.routing, spin=settings.ort_spinning)
+                                 routing=settings.routing, spin=settings.ort_spinning,
+                                 lone_threads=lone_threads(settings))
     pkg_meta = meta.get("package_config") or {}
     model = ServedModel(
         name=name, kind=meta["kind"], source=str(path), backend=backend,
@@ -335,24 +385,41 @@ def apply_jpeg_draft(models: list[ServedModel], names: list[str]) -> None:
 
 
 def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metrics: Metrics) -> None:
-    """One batcher queue per function of the model, all on the device's one worker."""
+    """One batcher queue per function of the model, all on the device's one worker.
+
+    Under ``--wide-lone-batches`` every queue gets a plan: the image function that has a routing
+    graph runs beside other calls on its own session (a share of the threads) and alone on the
+    routing graph's (all of them, ``RoutingState.lanes``); every other function runs alone."""
+    lone = wide_lone(settings)
+    narrow = getattr(model.backend, "narrow", set())
     for fn in model.backend.functions:
         def call(rows, fn=fn, backend=model.backend):
             return backend.run(fn, rows)
 
-        model.queues[fn] = batcher.add_queue(ModelQueue(
+        queue = model.queues[fn] = batcher.add_queue(ModelQueue(
             f"{model.name}/{fn}", model.name, call, max_batch_size=settings.max_batch_size,
             max_delay_s=settings.max_delay_ms / 1000, max_queue=settings.max_queue,
             pad=settings.strict_determinism, metrics=metrics, eager=settings.eager_batching,
         ))
+        if lone:
+            if model.routing is not None and fn == model.routing.plain and fn in narrow:
+                model.routing.lone = True
+                queue.plan, queue.fn = model.routing.lanes(call, model.backend)
+            else:
+                queue.plan = _alone
     if model.routing is not None:
         _attach_routing(model, batcher, settings, metrics)
+
+
+def _alone(beside: bool) -> bool:
+    """The plan of a queue whose every call runs alone (its session has every thread)."""
+    return False
 
 
 def _attach_routing(model: ServedModel, batcher: Batcher, settings: Settings, metrics: Metrics) -> None:
     """The routing queue (/v1/routing, batched like the rest), the sampled plain queue, the series."""
     state = model.routing
-    if state.sample:
+    if state.sample and not state.lone:  # under --wide-lone-batches the plan samples
         plain = model.queues[state.plain]
         plain.fn = state.sampling(plain.fn, model.backend)
     queue = model.queues[ROUTING] = batcher.add_queue(ModelQueue(
@@ -361,6 +428,8 @@ def _attach_routing(model: ServedModel, batcher: Batcher, settings: Settings, me
         max_queue=settings.max_queue, pad=settings.strict_determinism, metrics=metrics,
         eager=settings.eager_batching,
     ))
+    if wide_lone(settings):
+        queue.plan = _alone
     # Its places are for inspecting routing, not serving capacity: the gauge keeps the serving queues' sum.
     metrics.queue_capacity.labels(model.name).set(sum(q.max_queue for q in queue.siblings if q is not queue))
     state.bind(metrics, model.name)
@@ -384,6 +453,8 @@ def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, 
     """With ``--concurrent-batches`` N > 1: every function's outputs from N calls running at once
     on the one backend, each with its own random rows, are bitwise equal to the same calls run
     alone, at every shape its queue runs (strict: the proven shapes; loose: the warmed sizes).
+    Under ``--wide-lone-batches`` only the functions that run beside others are checked (the rest
+    always run alone).
 
     Raises:
         ModelLoadError: a difference (the server does not start: an answer must not depend on
@@ -394,7 +465,12 @@ def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, 
         return
     rng = np.random.default_rng(seed)
     checked = []
+    beside = getattr(model.backend, "narrow", set()) if wide_lone(settings) else None
     for fn, spec in all_functions(model.backend).items():
+        state = model.routing
+        if beside is not None and (fn not in beside or (state is not None and state.plain == fn and state.lone
+                                                         and state.shared and not state.beside)):
+            continue  # always runs alone
         queue = model.queues.get(fn)
         sizes = list(queue.shapes) if settings.strict_determinism and queue is not None \
             else sorted({1, 2, settings.max_batch_size})
@@ -426,7 +502,11 @@ def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, 
                     f"{model.name}/{fn}: {n} concurrent calls at batch {size} gave outputs that differ from the same "
                     f"calls alone on this backend; use --concurrent-batches 1")
         checked.append(fn)
-    log(f"{model.name}: {n} concurrent batches give outputs bitwise equal to calls alone ({', '.join(checked)})")
+    if checked:
+        log(f"{model.name}: {n} concurrent batches give outputs bitwise equal to calls alone ({', '.join(checked)})")
+    else:
+        log(f"{model.name}: every call runs alone, with every intra-op thread (--wide-lone-batches: no function "
+            f"of this model has a routing graph to run beside others)")
 
 
 def random_rows(spec, size: int, rng: np.random.Generator, vocab_size: int | None) -> dict[str, np.ndarray]:
@@ -448,9 +528,13 @@ def prove_routing(model: ServedModel, settings: Settings, log=print, seed: int =
     """Whether a sampled call may run the routing graph alone: its copies of the plain function's
     outputs bitwise equal to the plain function's own, on random rows at every shape the plain
     queue runs (strict: its proven shapes; loose: the warmed sizes). Otherwise a sampled call runs
-    both graphs, and an image's answer never depends on whether its call was sampled."""
+    both graphs, and an image's answer never depends on whether its call was sampled.
+
+    Under ``--wide-lone-batches`` the same proof lets a call that runs alone run the routing graph,
+    with every thread (the plain graph's session has a share); without it, every call runs beside
+    the others on the plain graph's session."""
     state = model.routing
-    if state is None or not state.sample:
+    if state is None or not (state.sample or state.lone):
         return False
     spec = model.backend.functions[state.plain]
     queue = model.queues.get(state.plain)
@@ -463,12 +547,34 @@ def prove_routing(model: ServedModel, settings: Settings, log=print, seed: int =
         got = model.backend.run(ROUTING, rows)
         if any(not np.array_equal(got[k], v) for k, v in want.items()):
             state.shared = False
-            log(f"{model.name}: routing statistics from 1 in {state.sample} {state.plain} calls, by a second call "
-                f"(the routing graph's {state.plain} outputs differ from the plain graph's at batch {size})")
+            why = f"the routing graph's {state.plain} outputs differ from the plain graph's at batch {size}"
+            if state.sample:
+                log(f"{model.name}: routing statistics from 1 in {state.sample} {state.plain} calls, by a second call "
+                    f"({why})")
+            if state.lone:
+                log(f"{model.name}: no wide lone calls: every {state.plain} call runs beside the others, with "
+                    f"{backend_threads(settings)} intra-op threads ({why})")
             return False
     state.shared = True
-    log(f"{model.name}: routing statistics from 1 in {state.sample} {state.plain} calls, by the routing graph "
-        f"alone (its outputs proven bitwise equal to the plain graph's at {sizes})")
+    if state.lone:  # the longest call, on the session that runs alone: the better of two
+        rows = {s.name: rng.uniform(-1, 1, (sizes[-1], *s.shape)).astype(s.dtype) for s in spec.inputs}
+        took = []
+        for _ in range(2):
+            start = time.perf_counter()
+            model.backend.run(ROUTING, rows)
+            took.append((time.perf_counter() - start) * 1000)
+        state.beside = min(took) >= settings.wide_lone_beside_ms
+        if not state.beside:
+            log(f"{model.name}: every {state.plain} call runs alone, on the routing graph with "
+                f"{_total_threads(settings)} intra-op threads (a batch of {sizes[-1]} takes {min(took):.1f} ms, under "
+                f"--wide-lone-beside-ms {settings.wide_lone_beside_ms:g})")
+    if state.sample:
+        log(f"{model.name}: routing statistics from 1 in {state.sample} {state.plain} calls, by the routing graph "
+            f"alone (its outputs proven bitwise equal to the plain graph's at {sizes})")
+    if state.lone and state.beside:
+        log(f"{model.name}: a {state.plain} call that runs alone runs the routing graph with {_total_threads(settings)} "
+            f"intra-op threads, beside others the plain graph with {backend_threads(settings)} (outputs proven "
+            f"bitwise equal at {sizes})")
     return True
 
 

@@ -135,7 +135,7 @@ class OnnxRuntimeBackend:
 
     def __init__(self, files: list[Path], *, device: str = "cpu", max_batch_size: int = 8, threads: int = 0,
                  cuda_graph: bool = False, strict_placement: bool = False, routing: bool = True,
-                 spin: str = "run") -> None:
+                 spin: str = "run", lone_threads: int = 0) -> None:
         """Sessions for ``files``. On cuda only the CUDA EP is requested (deterministic options,
         ``server.backends.cuda``) and every session must really have it active, else
         ``DeviceUnavailableError``: never served from CPU.
@@ -152,6 +152,10 @@ class OnnxRuntimeBackend:
             strict_placement: on cuda, refuse a graph with any node on the CPU EP.
             routing: also load the routing graph (``M.routing.onnx`` beside ``M.onnx`` or
                 ``M.image.onnx``, or given in ``files``) as the routing function.
+            lone_threads: on cpu, wide lone calls (``--wide-lone-batches``): the intra-op threads
+                of every session that runs alone (the routing graph, and each function without one),
+                while the image function that has a routing graph keeps ``threads``, to run beside
+                other calls (``narrow`` names it). 0: every session has ``threads``.
         """
         import onnxruntime as ort
 
@@ -170,8 +174,11 @@ class OnnxRuntimeBackend:
         self._graph_runners: dict = {}
         self.routing: FunctionSpec | None = None
         files = [Path(f) for f in files]
+        # Graphs with a routing sibling: their sessions run beside other calls under lone_threads.
+        partnered = {f for f in files if routing and _routing_sibling(f) is not None}
         if routing:
             files += [r for r in map(_routing_sibling, files) if r is not None and r not in files]
+        self.narrow: set[str] = set()  # functions whose sessions have a share of the threads (lone_threads)
         for path in files:
             meta = read_metadata(path)
             fn = ROLE_TO_FN.get(meta.get("graph", ""))
@@ -182,7 +189,10 @@ class OnnxRuntimeBackend:
                                         threads=threads or None)
                 require_ort_provider(sess, path)
             else:
-                sess = ort_session(path, threads=threads or None, providers=["CPUExecutionProvider"], spin=spin)
+                n = threads if not lone_threads or path in partnered else lone_threads
+                sess = ort_session(path, threads=n or None, providers=["CPUExecutionProvider"], spin=spin)
+                if lone_threads and path in partnered:
+                    self.narrow.add(fn)
             self.sessions[fn] = sess
             self.metadata[fn] = meta
             inputs = tuple(

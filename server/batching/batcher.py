@@ -37,6 +37,16 @@ by the caller. A call's rows do not depend on which worker runs it or on what ru
 start-up checks that concurrent calls give outputs bitwise equal to a call alone
 (``registry.check_concurrent_batches``).
 
+Wide lone calls (``--wide-lone-batches``, onnxruntime on CPU): a queue may have a ``plan`` that
+decides, when a worker takes its batch, whether the call runs beside other calls or alone. The
+worker tells it whether running beside is worth it (another call is running, or more items wait).
+A call that runs alone is exclusive: it starts once the running calls end, and no call starts while
+it runs, so it may use every intra-op thread (a second session of the model with all of them),
+while calls beside each other share the cores (a session with a share of the threads each). The
+queue's ``fn`` is called either way, on the worker that asked the plan, and reads the plan's
+decision there (``registry.RoutingState.lanes``). A lone request then gets every core; at
+saturation, each core runs its own batch.
+
 Admission is a reservation: ``reserve(queue, n)`` takes ``n`` places before a request decodes its
 images, and its ``submit`` calls fill them, so a request admitted at the door is never refused
 later for room that others took meanwhile.
@@ -100,6 +110,10 @@ class ModelQueue:
         # to give per-row outputs bitwise equal to the maximal shape (registry.prove_shapes).
         self.shapes: tuple[int, ...] = (max_batch_size,)
         self.reserved = 0  # places taken by admitted requests still decoding (see Batcher.reserve)
+        # Wide lone calls: plan(beside worth it) -> whether the call runs beside other calls (else
+        # alone); called once per call, under the batcher's lock, on the worker that then calls
+        # ``fn``. None: beside.
+        self.plan: Callable[[bool], bool] | None = None
 
     def coming(self) -> int:
         """Items admitted requests will still submit to this queue (the engine process replaces
@@ -142,6 +156,9 @@ class Batcher:
                          for i in range(workers)]
         self.calls = 0
         self._free_at = 0.0  # when a worker last finished a call
+        self._running = 0  # calls in progress
+        self._alone = False  # a call that runs alone is running or waiting for the others to end
+        self.alone_calls = 0  # calls that ran alone (ModelQueue.plan)
 
     def add_queue(self, queue: ModelQueue) -> ModelQueue:
         self.queues.append(queue)
@@ -237,9 +254,14 @@ class Batcher:
 
     # ------------------------------------------------------------------ worker side
 
-    def _next_batch(self) -> tuple[ModelQueue, list[Item]] | None:
+    def _next_batch(self) -> tuple[ModelQueue, list[Item], bool] | None:
+        """The next batch, and whether it runs alone (then the other calls have ended; ``_done``
+        ends it). Counts the call as running."""
         with self._cond:
             while True:
+                if self._alone:  # no call starts beside one that runs alone
+                    self._cond.wait()
+                    continue
                 waiting = [q for q in self.queues if q.items]
                 if not waiting:
                     if self._stopping:
@@ -260,9 +282,28 @@ class Batcher:
                     continue
                 batch = [queue.items.popleft() for _ in range(min(queue.max_batch_size, len(queue.items)))]
                 queue._gauge()
-                if len(self._threads) > 1 and any(q.items for q in self.queues):
+                more = any(q.items for q in self.queues)
+                beside = True
+                if queue.plan is not None:
+                    beside = queue.plan(len(self._threads) > 1 and (self._running > 0 or more))
+                if not beside:
+                    self._alone = True
+                    self.alone_calls += 1
+                    while self._running > 0:
+                        self._cond.wait()
+                elif len(self._threads) > 1 and more:
                     self._cond.notify()  # what is left is for another free worker
-                return queue, batch
+                self._running += 1
+                return queue, batch, not beside
+
+    def _done(self, alone: bool, called: bool) -> None:
+        with self._cond:
+            self._running -= 1
+            if called:
+                self._free_at = time.perf_counter()
+            if alone:
+                self._alone = False
+            self._cond.notify_all()
 
     def _run(self) -> None:
         live: list[Item] = []
@@ -272,13 +313,13 @@ class Batcher:
                 got = self._next_batch()
                 if got is None:
                     return
-                queue, batch = got
-                live = self._admit(queue, batch)
-                if not live:
-                    continue
-                self._call(queue, live)
-                with self._cond:
-                    self._free_at = time.perf_counter()
+                queue, batch, alone = got
+                try:
+                    live = self._admit(queue, batch)
+                    if live:
+                        self._call(queue, live)
+                finally:
+                    self._done(alone, bool(live))
         except FatalBackendError as e:
             log.error("fatal backend error on %s (requests %s): %s", self.device, _tags(live), e)
             self._die(str(e), live)
@@ -372,6 +413,7 @@ class Batcher:
             for q in self.queues:
                 q.items.clear()
                 q._gauge()
+            self._cond.notify_all()
         for item in pending:
             self._resolve(item, Unavailable(f"the {self.device} device failed; this replica is restarting, "
                                             "retry on another", retry_after_s=5))

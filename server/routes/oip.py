@@ -114,6 +114,9 @@ def _batching(model, settings) -> dict:
            "concurrent_batches": settings.concurrent_batches,
            "strict_determinism": any(q.pad for q in queues.values()),
            "batch_shapes": {fn: list(q.shapes) for fn, q in queues.items() if q.pad}}
+    if model.routing is not None and model.routing.lone:  # --wide-lone-batches, in effect for this model
+        state = model.routing  # proven: alone on the routing graph; beside: at load, beside other calls
+        out["wide_lone_batches"] = {"proven": state.shared, "beside": not state.shared or state.beside}
     if model.preprocess is not None:
         out["jpeg_draft"] = model.preprocess.jpeg_draft  # --jpeg-draft: faster JPEG decode, other pixels
     return out

@@ -65,6 +65,103 @@ def test_every_item_computed_once_by_three_workers(make, pad):
     assert b.calls == len(fn.calls)
 
 
+# ------------------------------------------------------------------ wide lone calls: ModelQueue.plan
+
+
+class Lanes:
+    """A plan and the queue function that reads its decision on the worker: x * 2 either way,
+    recording which lane each call took."""
+
+    def __init__(self, gate: threading.Event | None = None, barrier: threading.Barrier | None = None) -> None:
+        self.asked: list[bool] = []
+        self.lanes: list[str] = []
+        self.decided = threading.local()
+        self.inner = FakeFn(gate=gate, barrier=barrier)
+
+    def plan(self, beside: bool) -> bool:
+        self.asked.append(beside)
+        self.decided.lane = "beside" if beside else "alone"
+        return beside
+
+    def __call__(self, rows):
+        self.lanes.append(self.decided.lane)
+        return self.inner(rows)
+
+
+def test_a_plan_runs_batches_beside_each_other_when_more_wait(make):
+    # Eight items, batches of 4: the first worker sees more waiting, the second sees a call
+    # running; both run beside (a barrier of 2: they must really run at once).
+    lanes = Lanes(barrier=threading.Barrier(2))
+    b, q = make(lanes, max_batch_size=4, max_delay_s=60.0, workers=2)
+    q.plan = lanes.plan
+
+    async def main():
+        futs = [b.submit(q, row(float(i)), 30) for i in range(8)]
+        b.start()
+        return await asyncio.wait_for(asyncio.gather(*futs), HANG * 2)
+
+    results = asyncio.run(main())
+    assert lanes.asked == [True, True] and lanes.lanes == ["beside", "beside"] and b.alone_calls == 0
+    assert lanes.inner.shapes == [(4, D), (4, D)]
+    for i, r in enumerate(results):
+        np.testing.assert_array_equal(r.outputs["y"], row(float(i))["x"] * 2)
+
+
+def test_a_lone_batch_runs_alone(make):
+    lanes = Lanes()
+    b, q = make(lanes, max_batch_size=4, max_delay_s=0.0, workers=2)
+    q.plan = lanes.plan
+    b.start()
+
+    async def main():
+        return await asyncio.wait_for(b.submit(q, row(1.0), 30), HANG)
+
+    np.testing.assert_array_equal(asyncio.run(main()).outputs["y"], row(1.0)["x"] * 2)
+    assert lanes.asked == [False] and lanes.lanes == ["alone"] and b.alone_calls == 1
+
+
+def test_nothing_starts_beside_a_call_that_runs_alone(make):
+    # A call running alone holds the device: an item of another queue, with a free worker, waits
+    # for it to end.
+    gate = threading.Event()
+    alone_fn, other = FakeFn("alone", gate=gate), FakeFn("other")
+    b, q_alone, q_other = make(alone_fn, other, max_batch_size=1, max_delay_s=0.0, workers=2)
+    q_alone.plan = lambda beside: False
+    b.start()
+
+    async def main():
+        first = b.submit(q_alone, row(1.0), 30)
+        assert await asyncio.to_thread(alone_fn.entered.wait, HANG)
+        second = b.submit(q_other, row(2.0), 30)
+        await asyncio.sleep(0.3)
+        assert not other.entered.is_set(), "a call started beside one running alone"
+        gate.set()
+        return await asyncio.wait_for(asyncio.gather(first, second), HANG)
+
+    asyncio.run(main())
+    assert other.shapes == [(1, D)]
+
+
+def test_a_call_that_runs_alone_waits_for_the_calls_running(make):
+    gate = threading.Event()
+    running, alone_fn = FakeFn("running", gate=gate), FakeFn("alone")
+    b, q_running, q_alone = make(running, alone_fn, max_batch_size=1, max_delay_s=0.0, workers=2)
+    q_alone.plan = lambda beside: False
+    b.start()
+
+    async def main():
+        first = b.submit(q_running, row(1.0), 30)
+        assert await asyncio.to_thread(running.entered.wait, HANG)
+        second = b.submit(q_alone, row(2.0), 30)
+        await asyncio.sleep(0.3)
+        assert not alone_fn.entered.is_set(), "a call meant to run alone started beside another"
+        gate.set()
+        return await asyncio.wait_for(asyncio.gather(first, second), HANG)
+
+    asyncio.run(main())
+    assert alone_fn.shapes == [(1, D)]
+
+
 def test_a_fatal_error_on_one_worker_stops_every_worker(make):
     gate = threading.Event()
 
@@ -107,9 +204,14 @@ def test_workers_must_be_positive():
 # ------------------------------------------------------------------ the start-up check, real backends
 
 
-@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
-def test_start_up_check_passes_on_the_cpu_backends(packages, tmp_path, backend):
-    settings = Settings(backend=backend, concurrent_batches=2, threads=2, max_batch_size=4, cache_dir=str(tmp_path))
+@pytest.mark.parametrize("backend,wide,checked", [
+    ("torch", True, "classify, routing"),  # --wide-lone-batches is onnxruntime's: every call runs beside
+    ("onnxruntime", False, "classify, routing"),
+    ("onnxruntime", True, "classify"),  # the routing graph's session runs alone: never beside anything
+])
+def test_start_up_check_passes_on_the_cpu_backends(packages, tmp_path, backend, wide, checked):
+    settings = Settings(backend=backend, concurrent_batches=2, threads=2, max_batch_size=4, cache_dir=str(tmp_path),
+                        wide_lone_batches=wide)
     import torch
 
     threads = torch.get_num_threads()
@@ -117,7 +219,7 @@ def test_start_up_check_passes_on_the_cpu_backends(packages, tmp_path, backend):
     try:
         lines = []
         check_concurrent_batches(model, settings, log=lines.append)
-        assert lines == ["golden: 2 concurrent batches give outputs bitwise equal to calls alone (classify, routing)"]
+        assert lines == [f"golden: 2 concurrent batches give outputs bitwise equal to calls alone ({checked})"]
     finally:
         model.backend.close()
         torch.set_num_threads(threads)
@@ -129,6 +231,7 @@ class ThreadDependent:
 
     def __init__(self, inner, fail: bool = False) -> None:
         self.inner, self.functions, self.routing = inner, inner.functions, inner.routing
+        self.narrow = getattr(inner, "narrow", set())
         self.owner, self.fail = threading.get_ident(), fail
 
     def run(self, fn, rows):
@@ -163,7 +266,7 @@ def test_start_up_check_refuses_answers_that_depend_on_the_call_beside(packages,
 
 
 def test_one_batch_at_a_time_is_not_checked(packages, tmp_path):
-    with thread_dependent(packages, tmp_path) as (model, settings):
+    with thread_dependent(packages, tmp_path, concurrent_batches=1) as (model, settings):
         lines = []
         check_concurrent_batches(model, settings, log=lines.append)  # nothing runs beside anything
         assert lines == []
@@ -188,10 +291,87 @@ def test_refused_beyond_one_thread_each(packages):
         load_served_model(f"golden={packages['golden']}", Settings(concurrent_batches=cpus + 1), log=lambda m: None)
 
 
+def _intra_threads(session) -> int:
+    return session.get_session_options().intra_op_num_threads
+
+
+@pytest.mark.parametrize("wide", [True, False])
+def test_wide_lone_sessions_split_the_threads(packages, tmp_path, wide):
+    # The classifier's own session runs beside (1 of 2 threads); its routing graph's runs alone (2).
+    settings = Settings(concurrent_batches=2, threads=2, max_batch_size=4, cache_dir=str(tmp_path),
+                        wide_lone_batches=wide)
+    model = load_served_model(f"golden={packages['golden']}", settings, log=lambda m: None)
+    try:
+        sessions = model.backend.sessions
+        assert (_intra_threads(sessions["classify"]), _intra_threads(sessions["routing"])) == ((1, 2) if wide else (1, 1))
+        assert model.backend.narrow == ({"classify"} if wide else set())
+    finally:
+        model.backend.close()
+
+
+def test_wide_lone_plan_after_the_proof(packages, tmp_path):
+    """The plan of a served model's classify queue: before the start-up proof every call runs beside
+    on the classify session; after it, alone on the routing graph (the same outputs) unless beside
+    pays, and a sampled call always alone, with the statistics."""
+    from server.app import create_app
+    from server.registry import prove_routing
+
+    from helpers.live import live_server
+
+    settings = Settings(models=[f"golden={packages['golden']}"], concurrent_batches=2, threads=2, max_batch_size=4,
+                        cache_dir=str(tmp_path), routing_stats_sample=3, wide_lone_beside_ms=0)
+    with live_server(create_app(settings)) as url:
+        import httpx
+
+        params = httpx.get(f"{url}/v2/models/golden", timeout=10).json()["parameters"]
+        assert params["concurrent_batches"] == 2
+        assert params["wide_lone_batches"] == {"proven": True, "beside": True}
+    model = load_served_model(f"golden={packages['golden']}", settings, log=lambda m: None)
+    try:
+        from server.batching.batcher import Batcher
+
+        from server.registry import attach_queues
+        from server.metrics import Metrics
+
+        attach_queues(model, Batcher("cpu", workers=2), settings, Metrics())
+        queue, state = model.queues["classify"], model.routing
+        assert state.lone and not state.shared
+        assert queue.plan(False)  # not proven yet: beside, on the classify session
+        lines = []
+        assert prove_routing(model, settings, log=lines.append)
+        assert any("runs alone runs the routing graph with 2 intra-op threads, beside others the plain graph "
+                   "with 1" in line for line in lines), lines
+        rows = {"pixel_values": np.random.default_rng(0).uniform(-1, 1, (4, 3, 32, 32)).astype(np.float32)}
+        want = model.backend.run("classify", rows)
+        state.calls = 0
+        beside, outs = [], []
+        for worth in (True, False, True):  # the third call is sampled (1 in 3): alone, whatever is worth it
+            beside.append(queue.plan(worth))
+            outs.append(queue.fn(rows))  # on this thread, as a worker calls it after its plan
+        assert beside == [True, False, False]
+        for out in outs:
+            assert all(np.array_equal(out[k], v) for k, v in want.items())
+        assert "dispatch_entropy" in outs[2] and not any("dispatch_entropy" in o for o in outs[:2])
+        state.beside = False  # a light model: every call alone
+        assert queue.plan(True) is False
+    finally:
+        model.backend.close()
+
+
+def test_auto_concurrency():
+    cpus = len(os.sched_getaffinity(0))
+    assert Settings().concurrent_batches == (2 if cpus >= 2 else 1)
+    assert Settings(threads=2).concurrent_batches == 2
+    assert Settings(threads=1).concurrent_batches == 1
+    assert Settings(threads=2, backend="torch").concurrent_batches == 1
+    assert Settings(threads=2, wide_lone_batches=False).concurrent_batches == 1
+    assert Settings(threads=2, concurrent_batches=1).concurrent_batches == 1
+
+
 def test_intra_op_threads_are_divided():
     cpus = len(os.sched_getaffinity(0))
-    assert backend_threads(Settings(threads=4)) == 4
-    assert backend_threads(Settings(threads=0)) == 0  # the backend's own default
+    assert backend_threads(Settings(threads=4, concurrent_batches=1)) == 4
+    assert backend_threads(Settings(threads=0, concurrent_batches=1)) == 0  # the backend's own default
     assert backend_threads(Settings(threads=4, concurrent_batches=2)) == 2
     assert backend_threads(Settings(threads=5, concurrent_batches=2)) == 2
     assert backend_threads(Settings(threads=0, concurrent_batches=2)) == max(1, cpus // 2)
