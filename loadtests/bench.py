@@ -156,39 +156,54 @@ def section_layers(mode: str) -> dict[str, float]:
 
 
 def _raw_worker(conn, spec: str, batch: int, size: int, settings: dict) -> None:
-    """RawBackend's child: the backend as `softmoe serve` builds it, timed on request, called by as
-    many threads at once as the server runs batches at once (``--concurrent-batches``: with
-    ``--wide-lone-batches`` the server's batches at saturation run beside each other on the classify
-    session, with its share of the threads)."""
-    from server.registry import load_served_model
+    """RawBackend's child: the backend as `softmoe serve` builds and warms it, its classify queue's
+    function called directly at a full batch, timed on request, the way the server runs it: with
+    ``--wide-lone-batches``, the lane start-up chose (N calls at once beside each other, or one at a
+    time alone on every thread); otherwise as many calls at once as ``--concurrent-batches``.
+    Without routing statistics (the server samples 1 call in 16: the raw side never pays it)."""
+    from server.batching.batcher import Batcher
+    from server.metrics import Metrics
+    from server.registry import attach_queues, load_served_model, warmup
     from server.settings import Settings
 
-    resolved = Settings(**settings)
-    backend = load_served_model(spec, resolved, log=lambda m: None).backend
-    pixels = {"pixel_values": np.random.default_rng(0).uniform(-1, 1, (batch, 3, size, size)).astype(np.float32)}
-    backend.run("classify", pixels)
+    resolved = Settings(**{**settings, "routing_stats_sample": 0})
+    model = load_served_model(spec, resolved, log=lambda m: None)
+    attach_queues(model, Batcher(resolved.device, workers=resolved.concurrent_batches), resolved, Metrics())
+    warmup(model, resolved, log=lambda m: None)
+    queue, state = model.queues["classify"], model.routing
     callers = resolved.concurrent_batches
-    conn.send("ready")
+    if queue.plan is not None and not (state is not None and state.shared and state.beside):
+        callers = 1  # every full batch runs alone
+    pixels = {"pixel_values": np.random.default_rng(0).uniform(-1, 1, (batch, 3, size, size)).astype(np.float32)}
+
+    def call() -> None:
+        if queue.plan is not None:
+            queue.plan(callers > 1)  # the lane, decided on this thread as a worker decides it
+        queue.fn(pixels)
+
+    call()
+    conn.send(("ready", callers))
     while (seconds := conn.recv()) is not None:
         t0, counts = time.perf_counter(), [0] * callers
 
-        def call(i: int) -> None:
+        def loop(i: int) -> None:
             while time.perf_counter() - t0 < seconds or counts[i] == 0:
-                backend.run("classify", pixels)
+                call()
                 counts[i] += batch
 
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(callers)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         conn.send(sum(counts) / (time.perf_counter() - t0))
-    backend.close()
+    model.backend.close()
 
 
 class RawBackend:
     """The server's backend for ``spec`` called directly at a full batch, in a child process (its
-    memory, GBs for soft-s16-e128, goes back when it exits); ``window(s)`` gives images/s."""
+    memory, GBs for soft-s16-e128, goes back when it exits); ``window(s)`` gives images/s,
+    ``callers`` how many calls run at once."""
 
     def __init__(self, spec: str, batch: int, size: int, **settings) -> None:
         import multiprocessing
@@ -198,8 +213,10 @@ class RawBackend:
         self.proc = ctx.Process(target=_raw_worker, args=(child, spec, batch, size, settings), daemon=True)
         self.proc.start()
         child.close()
-        if self._recv(900) != "ready":
+        ready = self._recv(900)
+        if not (isinstance(ready, tuple) and ready[0] == "ready"):
             raise RuntimeError("the raw backend did not start")
+        self.callers = ready[1]  # calls at once, as the server runs full batches
 
     def _recv(self, timeout: float):
         if not self.conn.poll(timeout):
@@ -278,7 +295,8 @@ def section_serving(mode: str, workdir: Path) -> dict[str, float]:
         warm_cache(f"{name}={pkg}", max_batch_size=batch)
     try:
         servers.update(serve_many({"dynamic_strict": [*full, "--log-level", "info"],  # info: its proven shapes are logged
-                                   "b1": [*common, "--max-batch-size", "1"]}, parallel))
+                                   # one image per call, one call at a time: what batching is measured against
+                                   "b1": [*common, "--max-batch-size", "1", "--concurrent-batches", "1"]}, parallel))
         med = show(f"{head}: dynamic batching vs max batch 1, strict determinism, 224x224 JPEGs, {conc} clients",
                    interleave({"dynamic_strict": sat("dynamic_strict"), "b1": sat("b1")}, rounds), "img/s")
         out: dict[str, float] = {
@@ -292,7 +310,7 @@ def section_serving(mode: str, workdir: Path) -> dict[str, float]:
         raw = RawBackend(f"{name}={pkg}", batch, size, max_batch_size=batch)
         try:
             med = show(f"{head}: end to end (640x480 JPEGs, strict) vs the raw backend at batch {batch}, "
-                       f"{settings.concurrent_batches} call(s) at once as the server runs them",
+                       f"{raw.callers} call(s) at once as the server runs full batches",
                        interleave({"raw_backend": lambda: raw.window(window), "e2e_classify_640x480_jpeg":
                                    sat("dynamic_strict", large)}, rounds, seed=1), "img/s")
         finally:

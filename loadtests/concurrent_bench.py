@@ -11,8 +11,10 @@ posted to /v1/classify. Saturation: a closed loop of ``--clients``; concurrency 
 Printed, as one JSON line: ``concurrent_batches_throughput_ratio`` (images/s with 2 over 1) and
 ``concurrent_batches_c1_p50_ratio`` (p50 with 2 over 1), the medians, and ``errors`` (non-200
 answers while measuring). It pays where a model's threads scale poorly on a batch (a heavy Soft
-MoE on a few cores: `softmoe init soft-s16-e128 --out DIR`); a lone request then runs on fewer
-threads and takes longer.
+MoE on a few cores: `softmoe init soft-s16-e128 --out DIR`). With `--wide-lone-batches` (the
+default) a lone request still runs on every thread, and full batches run beside each other only
+where start-up measured that it pays (`--wide-lone-beside auto`); without it a lone request runs
+on fewer threads and takes longer.
 """
 
 from __future__ import annotations

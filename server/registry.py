@@ -556,18 +556,8 @@ def prove_routing(model: ServedModel, settings: Settings, log=print, seed: int =
                     f"{backend_threads(settings)} intra-op threads ({why})")
             return False
     state.shared = True
-    if state.lone:  # the longest call, on the session that runs alone: the better of two
-        rows = {s.name: rng.uniform(-1, 1, (sizes[-1], *s.shape)).astype(s.dtype) for s in spec.inputs}
-        took = []
-        for _ in range(2):
-            start = time.perf_counter()
-            model.backend.run(ROUTING, rows)
-            took.append((time.perf_counter() - start) * 1000)
-        state.beside = min(took) >= settings.wide_lone_beside_ms
-        if not state.beside:
-            log(f"{model.name}: every {state.plain} call runs alone, on the routing graph with "
-                f"{_total_threads(settings)} intra-op threads (a batch of {sizes[-1]} takes {min(took):.1f} ms, under "
-                f"--wide-lone-beside-ms {settings.wide_lone_beside_ms:g})")
+    if state.lone:
+        state.beside = _beside_pays(model, settings, sizes[-1], rng, log)
     if state.sample:
         log(f"{model.name}: routing statistics from 1 in {state.sample} {state.plain} calls, by the routing graph "
             f"alone (its outputs proven bitwise equal to the plain graph's at {sizes})")
@@ -575,6 +565,72 @@ def prove_routing(model: ServedModel, settings: Settings, log=print, seed: int =
         log(f"{model.name}: a {state.plain} call that runs alone runs the routing graph with {_total_threads(settings)} "
             f"intra-op threads, beside others the plain graph with {backend_threads(settings)} (outputs proven "
             f"bitwise equal at {sizes})")
+    return True
+
+
+# --wide-lone-batches: full batches run beside each other only where start-up measures that this
+# serves at least this much more than running them alone, one after the other. soft-s16-e128 on 2
+# CPUs: batch 8, 1.03-1.14x in bare sessions (1.07x served); batch 32, 1.00-1.01x, where two threads
+# already scale well, and where two batches beside each other also hold twice the clients' images
+# (served at 64 clients: 0.93x). Below it every call runs alone, as with one worker.
+BESIDE_MIN_GAIN = 1.04
+# A light model's call is shorter than what serving one around it costs, and calls beside each other
+# only split its batches (digits, batch 32: 3 ms a call; served beside, 0.93x the images/s).
+BESIDE_MIN_MS = 20.0
+
+
+def _beside_pays(model: ServedModel, settings: Settings, size: int, rng: np.random.Generator, log) -> bool:
+    """Whether full batches of the plain function should run beside each other: the best of
+    three full batches alone on the routing graph's session (every thread) against the best of three
+    rounds of N at once on the plain graph's (1/N of them each). Too light (``BESIDE_MIN_MS``) or
+    too small a gain (``BESIDE_MIN_GAIN``): every call alone. ``--wide-lone-beside always|never``
+    decides without measuring."""
+    state, n = model.routing, settings.concurrent_batches
+    if settings.wide_lone_beside != "auto":
+        log(f"{model.name}: full {state.plain} batches at load run "
+            f"{'beside each other' if settings.wide_lone_beside == 'always' else 'one at a time, alone'} "
+            f"(--wide-lone-beside {settings.wide_lone_beside})")
+        return settings.wide_lone_beside == "always"
+    spec = model.backend.functions[state.plain]
+    rows = {s.name: rng.uniform(-1, 1, (size, *s.shape)).astype(s.dtype) for s in spec.inputs}
+    threads = _total_threads(settings)
+
+    def alone() -> float:
+        start = time.perf_counter()
+        model.backend.run(ROUTING, rows)
+        return time.perf_counter() - start
+
+    def beside() -> float:
+        gate = threading.Barrier(n + 1)
+
+        def one() -> None:
+            gate.wait(60)
+            model.backend.run(state.plain, rows)
+
+        workers = [threading.Thread(target=one, name=f"softmoe-beside-{i}") for i in range(n)]
+        for w in workers:
+            w.start()
+        gate.wait(60)
+        start = time.perf_counter()
+        for w in workers:
+            w.join()
+        return time.perf_counter() - start
+
+    one_ms = min(alone() for _ in range(2)) * 1000
+    if one_ms < BESIDE_MIN_MS:
+        log(f"{model.name}: every {state.plain} call runs alone, on the routing graph with {threads} intra-op "
+            f"threads (a batch of {size} takes {one_ms:.1f} ms, under {BESIDE_MIN_MS:g})")
+        return False
+    one_ms = min([one_ms] + [alone() * 1000 for _ in range(1)])
+    n_ms = min(beside() for _ in range(3)) * 1000
+    gain = n * one_ms / n_ms
+    if gain < BESIDE_MIN_GAIN:
+        log(f"{model.name}: every {state.plain} call runs alone, on the routing graph with {threads} intra-op threads "
+            f"({n} batches of {size} beside each other serve {gain:.2f}x the images/s of one at a time, under "
+            f"{BESIDE_MIN_GAIN})")
+        return False
+    log(f"{model.name}: full {state.plain} batches run beside each other at load ({n} batches of {size} at once serve "
+        f"{gain:.2f}x the images/s of one at a time: {n_ms:.0f} vs {one_ms:.0f} ms each)")
     return True
 
 

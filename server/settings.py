@@ -85,11 +85,12 @@ class Settings(BaseSettings):
         "saturation gets the throughput of N batches at once. Functions without a routing graph always run alone, "
         "with every thread; off: every call has 1/N of the threads",
     )
-    wide_lone_beside_ms: float = Field(
-        20.0, ge=0, le=60_000,
-        description="--wide-lone-batches: a model whose full batch takes less than this on every thread (timed at "
-        "start-up) runs every call alone; running beside others pays only where a call is long (soft-s16-e128, "
-        "batch 8, 2 CPUs: 275 ms, 1.07x the images/s; digits, batch 32: 3 ms, 0.93x)",
+    wide_lone_beside: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="--wide-lone-batches: whether full batches at load run beside each other (1/N of the threads "
+        "each) or one at a time on every thread; auto: measured at start-up on the model's largest batch, beside "
+        "where that serves 1.04x or more and a batch takes 20 ms or more (soft-s16-e128 on 2 CPUs: batch 8 beside, "
+        "batch 32 and digits alone)",
     )
     decode_workers: int = Field(2, ge=1, description="threads decoding and preprocessing images")
     decode_nice: int = Field(

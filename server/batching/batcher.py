@@ -39,13 +39,15 @@ start-up checks that concurrent calls give outputs bitwise equal to a call alone
 
 Wide lone calls (``--wide-lone-batches``, onnxruntime on CPU): a queue may have a ``plan`` that
 decides, when a worker takes its batch, whether the call runs beside other calls or alone. The
-worker tells it whether running beside is worth it (another call is running, or more items wait).
-A call that runs alone is exclusive: it starts once the running calls end, and no call starts while
-it runs, so it may use every intra-op thread (a second session of the model with all of them),
-while calls beside each other share the cores (a session with a share of the threads each). The
-queue's ``fn`` is called either way, on the worker that asked the plan, and reads the plan's
-decision there (``registry.RoutingState.lanes``). A lone request then gets every core; at
-saturation, each core runs its own batch.
+worker tells it whether running beside is worth it: for a full batch, while another call runs or
+another full batch waits. Beside a running call, a queue with a plan starts only a full batch (a
+short one waits to fill, or for the running calls to end). A call that runs alone is exclusive: it
+starts once the running calls end, and no call starts while it runs, so it may use every intra-op
+thread (a second session of the model with all of them), while calls beside each other share the
+cores (a session with a share of the threads each). The queue's ``fn`` is called either way, on
+the worker that asked the plan, and reads the plan's decision there
+(``registry.RoutingState.lanes``). A lone request then gets every core; at saturation, each core
+runs its own batch.
 
 Admission is a reservation: ``reserve(queue, n)`` takes ``n`` places before a request decodes its
 images, and its ``submit`` calls fill them, so a request admitted at the door is never refused
@@ -280,12 +282,18 @@ class Batcher:
                 if not full and now < ready_at and not self._stopping and not (queue.eager and queue.coming() == 0):
                     self._cond.wait(ready_at - now)
                     continue
+                if queue.plan is not None and self._running > 0 and not full and not self._stopping:
+                    # Beside a running call only a full batch starts: a short one waits to fill, or
+                    # for the device, rather than take a share of the cores for a few items.
+                    self._cond.wait()
+                    continue
                 batch = [queue.items.popleft() for _ in range(min(queue.max_batch_size, len(queue.items)))]
                 queue._gauge()
                 more = any(q.items for q in self.queues)
                 beside = True
-                if queue.plan is not None:
-                    beside = queue.plan(len(self._threads) > 1 and (self._running > 0 or more))
+                if queue.plan is not None:  # beside pays for full batches, with another running or waiting
+                    beside = queue.plan(len(self._threads) > 1 and len(batch) == queue.max_batch_size and (
+                        self._running > 0 or len(queue.items) >= queue.max_batch_size))
                 if not beside:
                     self._alone = True
                     self.alone_calls += 1

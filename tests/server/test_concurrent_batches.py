@@ -319,7 +319,7 @@ def test_wide_lone_plan_after_the_proof(packages, tmp_path):
     from helpers.live import live_server
 
     settings = Settings(models=[f"golden={packages['golden']}"], concurrent_batches=2, threads=2, max_batch_size=4,
-                        cache_dir=str(tmp_path), routing_stats_sample=3, wide_lone_beside_ms=0)
+                        cache_dir=str(tmp_path), routing_stats_sample=3, wide_lone_beside="always")
     with live_server(create_app(settings)) as url:
         import httpx
 
@@ -354,6 +354,26 @@ def test_wide_lone_plan_after_the_proof(packages, tmp_path):
         assert "dispatch_entropy" in outs[2] and not any("dispatch_entropy" in o for o in outs[:2])
         state.beside = False  # a light model: every call alone
         assert queue.plan(True) is False
+    finally:
+        model.backend.close()
+
+
+@pytest.mark.parametrize("beside,want", [("auto", "takes"), ("never", "one at a time, alone (--wide-lone-beside never)")])
+def test_a_light_model_runs_every_call_alone(packages, tmp_path, beside, want):
+    # The golden model's batch of 4 takes about a millisecond: under the 20 ms where running beside
+    # pays, so auto measures no further.
+    from server.registry import BESIDE_MIN_MS, prove_routing
+
+    settings = Settings(concurrent_batches=2, threads=2, max_batch_size=4, cache_dir=str(tmp_path),
+                        wide_lone_beside=beside)
+    model = load_served_model(f"golden={packages['golden']}", settings, log=lambda m: None)
+    try:
+        model.routing.lone = True
+        lines = []
+        assert prove_routing(model, settings, log=lines.append)
+        assert model.routing.shared and not model.routing.beside
+        line = next(x for x in lines if "alone" in x)
+        assert want in line and (beside != "auto" or f"under {BESIDE_MIN_MS:g})" in line), lines
     finally:
         model.backend.close()
 

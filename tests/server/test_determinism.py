@@ -20,24 +20,23 @@ from server.app import create_app
 from server.settings import Settings
 
 
-@pytest.fixture(scope="module", params=[("torch", 1, None), ("onnxruntime", 1, None), ("torch", 2, None),
-                                        ("onnxruntime", 2, None), ("onnxruntime", 2, 0.0)],
-                ids=lambda p: f"{p[0]}-concurrent{p[1]}" + ("-beside" if p[2] == 0 else ""))
+@pytest.fixture(scope="module", params=[("torch", 1, "auto"), ("onnxruntime", 1, "auto"), ("torch", 2, "auto"),
+                                        ("onnxruntime", 2, "auto"), ("onnxruntime", 2, "always")],
+                ids=lambda p: f"{p[0]}-concurrent{p[1]}" + ("-beside" if p[2] == "always" else ""))
 def served(request, packages, tmp_path_factory):
     """A live server per backend, running one batch at a time or two at once (--concurrent-batches).
     onnxruntime with two: --wide-lone-batches, so a lone batch runs alone on the routing graph's
     session (every thread); ``-beside``: batches at load also run beside each other on the
-    classifier's own session (one thread each), which the tiny golden model is too light for by
-    default (--wide-lone-beside-ms): the same image must give the same bytes on both sessions."""
-    backend, concurrent, beside_ms = request.param
-    extra = {} if beside_ms is None else {"wide_lone_beside_ms": beside_ms}
+    classifier's own session (one thread each), which the tiny golden model is too light for with
+    --wide-lone-beside auto: the same image must give the same bytes on both sessions."""
+    backend, concurrent, beside = request.param
     settings = Settings(models=[f"golden={packages['golden']}", f"lit={packages['tt-tok']}"], backend=backend,
                         max_batch_size=8, max_delay_ms=20, cache_dir=str(tmp_path_factory.getbasetemp() / "cache"),
-                        concurrent_batches=concurrent, threads=2, **extra)
+                        concurrent_batches=concurrent, threads=2, wide_lone_beside=beside)
     threads = torch.get_num_threads()
     try:
         with live_server(create_app(settings)) as u:
-            yield u, concurrent, backend, beside_ms
+            yield u, concurrent, backend, beside
     finally:
         torch.set_num_threads(threads)  # the torch backend sets it for the whole process
 
@@ -48,11 +47,11 @@ def url(served):
 
 
 def test_models_endpoint_says_how_many_batches_run_at_once(served):
-    url, concurrent, backend, beside_ms = served
+    url, concurrent, backend, beside = served
     params = httpx.get(f"{url}/v2/models/golden", timeout=10).json()["parameters"]
     assert params["concurrent_batches"] == concurrent
     if backend == "onnxruntime" and concurrent == 2:  # proven at start-up; beside only when forced (light model)
-        assert params["wide_lone_batches"] == {"proven": True, "beside": beside_ms == 0}
+        assert params["wide_lone_batches"] == {"proven": True, "beside": beside == "always"}
     else:
         assert "wide_lone_batches" not in params
     # onnxruntime on cpu says its threads' spin policy (the default: spinning within a batch)
