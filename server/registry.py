@@ -571,8 +571,9 @@ def prove_routing(model: ServedModel, settings: Settings, log=print, seed: int =
 # --wide-lone-batches: full batches run beside each other only where start-up measures that this
 # serves at least this much more than running them alone, one after the other. soft-s16-e128 on 2
 # CPUs: batch 8, 1.03-1.14x in bare sessions (1.07x served); batch 32, 1.00-1.01x, where two threads
-# already scale well, and where two batches beside each other also hold twice the clients' images
-# (served at 64 clients: 0.93x). Below it every call runs alone, as with one worker.
+# already scale well, and where two batches beside each other also hold all of 64 clients' images,
+# so none is decoded ahead of the model (served end to end: 0.83-0.85x the raw backend, against
+# 0.93 alone). Below it every call runs alone, as with one worker.
 BESIDE_MIN_GAIN = 1.04
 # A light model's call is shorter than what serving one around it costs, and calls beside each other
 # only split its batches (digits, batch 32: 3 ms a call; served beside, 0.93x the images/s).

@@ -120,46 +120,28 @@ def test_a_lone_batch_runs_alone(make):
     assert lanes.asked == [False] and lanes.lanes == ["alone"] and b.alone_calls == 1
 
 
-def test_nothing_starts_beside_a_call_that_runs_alone(make):
-    # A call running alone holds the device: an item of another queue, with a free worker, waits
-    # for it to end.
+@pytest.mark.parametrize("alone_first", [True, False], ids=["nothing-starts-beside-it", "it-waits-for-the-running"])
+def test_a_call_that_runs_alone_never_shares_the_device(make, alone_first):
+    # The first call is held inside the backend; the second, of another queue, has a free worker.
+    # A call running alone holds the device (the second waits for it to end), and a call meant to
+    # run alone waits for the call running to end.
     gate = threading.Event()
-    alone_fn, other = FakeFn("alone", gate=gate), FakeFn("other")
-    b, q_alone, q_other = make(alone_fn, other, max_batch_size=1, max_delay_s=0.0, workers=2)
-    q_alone.plan = lambda beside: False
+    first_fn, second_fn = FakeFn("first", gate=gate), FakeFn("second")
+    b, q_first, q_second = make(first_fn, second_fn, max_batch_size=1, max_delay_s=0.0, workers=2)
+    (q_first if alone_first else q_second).plan = lambda beside: False
     b.start()
 
     async def main():
-        first = b.submit(q_alone, row(1.0), 30)
-        assert await asyncio.to_thread(alone_fn.entered.wait, HANG)
-        second = b.submit(q_other, row(2.0), 30)
+        first = b.submit(q_first, row(1.0), 30)
+        assert await asyncio.to_thread(first_fn.entered.wait, HANG)
+        second = b.submit(q_second, row(2.0), 30)
         await asyncio.sleep(0.3)
-        assert not other.entered.is_set(), "a call started beside one running alone"
+        assert not second_fn.entered.is_set(), "a call started beside another while one of them runs alone"
         gate.set()
         return await asyncio.wait_for(asyncio.gather(first, second), HANG)
 
     asyncio.run(main())
-    assert other.shapes == [(1, D)]
-
-
-def test_a_call_that_runs_alone_waits_for_the_calls_running(make):
-    gate = threading.Event()
-    running, alone_fn = FakeFn("running", gate=gate), FakeFn("alone")
-    b, q_running, q_alone = make(running, alone_fn, max_batch_size=1, max_delay_s=0.0, workers=2)
-    q_alone.plan = lambda beside: False
-    b.start()
-
-    async def main():
-        first = b.submit(q_running, row(1.0), 30)
-        assert await asyncio.to_thread(running.entered.wait, HANG)
-        second = b.submit(q_alone, row(2.0), 30)
-        await asyncio.sleep(0.3)
-        assert not alone_fn.entered.is_set(), "a call meant to run alone started beside another"
-        gate.set()
-        return await asyncio.wait_for(asyncio.gather(first, second), HANG)
-
-    asyncio.run(main())
-    assert alone_fn.shapes == [(1, D)]
+    assert second_fn.shapes == [(1, D)] and b.alone_calls == 1
 
 
 def test_a_fatal_error_on_one_worker_stops_every_worker(make):
