@@ -2,6 +2,7 @@
 
     python -m loadtests.bench [--quick | --smoke] [--skip LIST] [--peers-python PY] [--peers-model NAME]
         [--peers-ours-variant loose|concurrent2|spinoff] [--peers-session ort-defaults|softmoe]
+        [--peers-rounds N] [--peers-seconds S]
 
 Sections, in the order they run (each prints its table; the last line of the run is one JSON
 object with every ratio):
@@ -22,7 +23,10 @@ object with every ratio):
              `softmoe serve --backend onnxruntime` (and a second ours: --no-strict-determinism, or
              another --peers-ours-variant), LitServe and Ray Serve (loadtests/peers/; the section is
              loadtests/peers_bench.py): throughput at saturation, p50/p99 at concurrency 1 and
-             CPU-ms per request at saturation (every process of a server), as ratios to ours. A peer whose package does not import under --peers-python is skipped
+             CPU-ms per request at saturation (every process of a server), as ratios to ours, and
+             round by round: ours ahead or behind a peer only where a sign test over the rounds
+             says so (p < 0.05; 6 rounds by default, --peers-rounds), else a tie (the verdict
+             keys). A peer whose package does not import under --peers-python is skipped
              (its keys are absent). Servers start one at a time; one whose expected footprint
              does not fit the memory left is not started (peers_skipped_memory names it). In
              each window the other servers are frozen (SIGSTOP): idle LitServe polls its queues
@@ -396,7 +400,8 @@ def section_frontend(mode: str) -> dict[str, float]:
 
         rooms = {kind: room(kind) for kind in ("1img", "8img")}
         print(f"  scaling = N processes' req/s over one's x min(N, the cores the client leaves / the CPUs one "
-              f"process keeps busy): {rooms['1img']:.2f} (one image per request), {rooms['8img']:.2f} (eight); "
+              f"process keeps busy): {rpsn / (rooms['1img'] * rps1):.2f} (one image per request; that min: "
+              f"{rooms['1img']:.2f}), {imgn / (rooms['8img'] * img1):.2f} (eight; {rooms['8img']:.2f}); "
               f"over one's x N: {rpsn / (n * rps1):.2f} and {imgn / (n * img1):.2f}")
         return {
             "frontend_rps_1": round(rps1, 1),
@@ -478,6 +483,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peers-ours-variant", default="loose", choices=sorted(peers_bench.OURS_VARIANTS),
                         help="our second server in the peers section: loose (--no-strict-determinism) or concurrent2 "
                         "(--concurrent-batches 2) or spinoff (--ort-spinning off)")
+    parser.add_argument("--peers-rounds", type=int, default=None, help="interleaved rounds of the peers section "
+                        "(default 6; 5 is the fewest that can give a verdict other than tie)")
+    parser.add_argument("--peers-seconds", type=float, default=None, help="each window of the peers section (default 5)")
     parser.add_argument("--peers-session", default="ort-defaults", choices=SESSIONS,
                         help="the peers' ONNX Runtime session: ort-defaults (what their users write: only the thread "
                         "count set) or softmoe (the session `softmoe serve` builds: only the front ends differ)")
@@ -499,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
             "frontend": lambda: section_frontend(mode),
             "routing": lambda: section_routing(mode),
             "peers": lambda: peers_bench.section(mode, Path(tmp), args.peers_python, args.peers_model,
-                                                 args.peers_ours_variant, args.peers_session),
+                                                 args.peers_ours_variant, args.peers_session, args.peers_rounds,
+                                                 args.peers_seconds),
             "invariance": lambda: invariance_bench.section(mode),
             "decode_nice": lambda: decode_nice_bench.section(mode),
             "protocol": lambda: protocol_cost.section(mode),
@@ -520,6 +529,9 @@ def main(argv: list[str] | None = None) -> None:
             v = results[key]
             ok = v >= target if op == ">=" else v <= target
             print(f"  {key:28} {v:8.3f}  goal {op} {target}  {'met' if ok else 'MISSED'}")
+    for key, v in results.items():  # issue 14: ahead of each peer, by a sign test over the rounds
+        if key.startswith("peer_") and key.endswith("_verdict") and mode != "smoke":
+            print(f"  {key:28} {v:>8}  goal ahead  {'met' if v == 'ahead' else 'MISSED'} ({results['peers_model']})")
     results["errors"] = sum(ERRORS.values())
     if ERRORS:
         print(f"  non-200 responses during measurement: {ERRORS}")

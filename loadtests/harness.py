@@ -11,6 +11,7 @@ import base64
 import contextlib
 import io
 import json
+import math
 import os
 import random
 import shlex
@@ -246,6 +247,48 @@ def interleave(windows: dict[str, Callable[[], object]], rounds: int, seed: int 
 
 def median(values) -> float:
     return float(statistics.median(values))
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Two servers' windows compared round by round (``interleave`` measures both in every round,
+    so a round's pair shares the machine's state of the moment): in how many rounds ``ours`` was
+    better, and whether that count says more than chance. Ratios are theirs / ours, as the
+    bench's ``*_ratio`` keys are."""
+
+    ratios: list[float]  # per round, theirs / ours
+    ahead: int  # rounds in which ours was better
+    behind: int  # rounds in which theirs was better (equal rounds count in neither)
+    p_ahead: float  # one-sided sign test: the chance of ``ahead`` or more such rounds if neither were better
+    p_behind: float
+    verdict: str  # "ahead", "behind" (p under ALPHA) or "tie"
+
+    @property
+    def rounds(self) -> int:
+        return len(self.ratios)
+
+
+ALPHA = 0.05  # a verdict other than "tie" needs a sign test under this: 5 of 5 rounds, 7 of 8, 9 of 10
+
+
+def sign_test(k: int, n: int) -> float:
+    """P(X >= k) for X ~ Binomial(n, 1/2): how often chance alone wins ``k`` or more of ``n`` rounds."""
+    if n <= 0:
+        return 1.0
+    return sum(math.comb(n, i) for i in range(max(k, 0), n + 1)) / 2 ** n
+
+
+def paired(ours: list[float], theirs: list[float], *, higher_is_better: bool) -> Paired:
+    """Round-by-round comparison of two servers' windows (the same number of rounds each)."""
+    if len(ours) != len(theirs) or not ours:
+        raise ValueError(f"paired windows differ in number or are empty: {len(ours)} vs {len(theirs)}")
+    sign = 1 if higher_is_better else -1
+    ahead = sum(sign * (o - t) > 0 for o, t in zip(ours, theirs))
+    behind = sum(sign * (t - o) > 0 for o, t in zip(ours, theirs))
+    p_ahead, p_behind = sign_test(ahead, ahead + behind), sign_test(behind, ahead + behind)
+    verdict = "ahead" if p_ahead < ALPHA else "behind" if p_behind < ALPHA else "tie"
+    ratios = [t / o if o else float("nan") for o, t in zip(ours, theirs)]
+    return Paired(ratios, ahead, behind, p_ahead, p_behind, verdict)
 
 
 def report(result: dict, module: str, argv: list[str] | None) -> None:

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from loadtests.harness import (ROOT, Child, Load, b64, interleave, jpeg, json_request, load, median, pick, proven_line,
-                               wait_answers)
+from loadtests.harness import (ROOT, Child, Load, b64, interleave, jpeg, json_request, load, median, paired, pick,
+                               proven_line, wait_answers)
 from loadtests.procs import descendants, frozen, mem_available
 from loadtests.run import ServerProcess, free_port, wait_ready
 
@@ -41,10 +41,15 @@ OURS_VARIANTS = {"loose": ["--no-strict-determinism"],
 
 
 def section(mode: str, workdir: Path, python: str, model: str, variant: str = "loose",
-            session: str = "ort-defaults") -> dict[str, float | str]:
+            session: str = "ort-defaults", rounds: int | None = None,
+            seconds: float | None = None) -> dict[str, float | str]:
     """The peers section of loadtests/bench.py (see its docstring); the last JSON line's peer keys.
     ``variant``: our second server, ``ours_<variant>`` (``OURS_VARIANTS``); ``session``: the peers'
-    ONNX Runtime session (loadtests/peers/common.py: ``ort-defaults`` or ``softmoe``)."""
+    ONNX Runtime session (loadtests/peers/common.py: ``ort-defaults`` or ``softmoe``); ``rounds`` and
+    ``seconds``: the interleaved rounds and each window's length (default: the mode's). Each peer's
+    throughput and c1 p50 also get a verdict from the rounds (``harness.paired``): ours ahead or
+    behind only where a sign test over the rounds says so (p < 0.05: 5 of 5 rounds, 9 of 10), else
+    a tie."""
     available = [name for name, (module, _) in PEERS.items() if _importable(python, module)]
     skipped = sorted(set(PEERS) - set(available))
     if skipped:
@@ -112,7 +117,8 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
             else:
                 wait_answers(servers[name], requests[0][0], 300)
         load([s.port for s in servers.values()], requests, pick(mode, 2.0, 1.0, 0.2), 2 * len(servers))  # warm all
-        window, rounds, conc = pick(mode, (5.0, 3, 32), (3.0, 2, 32), (0.3, 1, 8))
+        window, default_rounds, conc = pick(mode, (5.0, 6, 32), (3.0, 2, 32), (0.3, 1, 8))
+        window, rounds = seconds or window, rounds or default_rounds
         def alone(s: ServerProcess, concurrency: int) -> Load:
             with frozen([o for o in servers.values() if o is not s]):  # its CPU: every process below it
                 return load([s.port], requests, window, concurrency, pids=descendants(s.proc.pid), label="peers")
@@ -137,7 +143,7 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
         print(f"  {'server':16} {'req/s sat.':>10} {'CPU ms/req':>10} {'c1 p50 ms':>10} {'c1 p99 ms':>10} "
               f"{'vs ours: tput':>14} {'p50':>6} {'p99':>6} {'CPU':>6}")
         out: dict[str, float | str] = {"peers": ",".join(n for n in available if n in servers), "peers_model": model,
-                                       "peers_session": session,
+                                       "peers_session": session, "peers_rounds": rounds,
                                        "peers_ours_rps": round(tput["ours"], 1), "peers_ours_c1_p50_ms": round(p50["ours"], 2),
                                        "peers_ours_c1_p99_ms": round(p99["ours"], 2),
                                        "peers_ours_cpu_ms_per_request": round(cpu["ours"], 2)}
@@ -153,6 +159,21 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
                 out[f"{prefix}_c1_p50_ratio"] = round(ratios[1], 3)
                 out[f"{prefix}_c1_p99_ratio"] = round(ratios[2], 3)
                 out[f"{prefix}_cpu_per_request_ratio"] = round(ratios[3], 3)
+        print(f"  round by round (theirs / ours; ahead or behind only where a sign test over the {rounds} rounds "
+              "gives p < 0.05):")
+        for name in servers:
+            if name == "ours":
+                continue
+            prefix = f"peers_{name}" if name == second else f"peer_{name}"
+            for what, key, better in (("req/s at saturation", "saturation", True), ("c1 p50", "c1", False)):
+                pair = paired([w.rps if better else w.ms(50) for w in res[("ours", key)]],
+                              [w.rps if better else w.ms(50) for w in res[(name, key)]], higher_is_better=better)
+                print(f"    {name:16} {what:20} {' '.join(f'{r:.2f}' for r in pair.ratios)}: ours better in "
+                      f"{pair.ahead} of {pair.rounds} (p {pair.p_ahead:.3f}), worse in {pair.behind} (p "
+                      f"{pair.p_behind:.3f}): {pair.verdict}")
+                stem = "throughput" if better else "c1_p50"
+                out[f"{prefix}_{stem}_rounds_ahead"] = pair.ahead
+                out[f"{prefix}_{stem}_verdict"] = pair.verdict
         return out
     finally:
         for s in servers.values():

@@ -477,24 +477,9 @@ def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, 
         for size in sizes:
             calls = [random_rows(spec, size, rng, model.vocab_size) for _ in range(n)]
             alone = [model.backend.run(fn, rows) for rows in calls]
-            together: list = [None] * n
-            start = threading.Barrier(n)
-
-            def one(i: int) -> None:
-                try:
-                    start.wait(60)
-                    together[i] = model.backend.run(fn, calls[i])
-                except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
-                    together[i] = e
-
-            threads = [threading.Thread(target=one, args=(i,), name=f"softmoe-check-{i}") for i in range(1, n)]
-            for t in threads:
-                t.start()
-            one(0)
-            for t in threads:
-                t.join()
-            failed = next((e for e in together if isinstance(e, BaseException)), None)
-            if failed is not None:
+            try:
+                together, _ = run_together(n, lambda i: model.backend.run(fn, calls[i]))
+            except Exception as failed:
                 raise ModelLoadError(f"{model.name}/{fn}: {n} concurrent calls at batch {size} failed "
                                      f"({type(failed).__name__}: {failed}); use --concurrent-batches 1") from failed
             if any(any(not np.array_equal(got[k], want[k]) for k in want) for got, want in zip(together, alone)):
@@ -507,6 +492,35 @@ def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, 
     else:
         log(f"{model.name}: every call runs alone, with every intra-op thread (--wide-lone-batches: no function "
             f"of this model has a routing graph to run beside others)")
+
+
+def run_together(n: int, call) -> tuple[list, float]:
+    """``call(i)`` for i in 0..n-1, on n threads released at once (call 0 on this one): the results
+    and the seconds from the release until the last returned. A call that raised is raised here,
+    in the caller's thread, after every call has ended."""
+    out: list = [None] * n
+    failed: list[BaseException] = []
+    gate = threading.Barrier(n)
+    started = [0.0]
+
+    def one(i: int) -> None:
+        try:
+            gate.wait(60)
+            if i == 0:
+                started[0] = time.perf_counter()
+            out[i] = call(i)
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            failed.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"softmoe-together-{i}") for i in range(1, n)]
+    for t in threads:
+        t.start()
+    one(0)
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+    return out, time.perf_counter() - started[0]
 
 
 def random_rows(spec, size: int, rng: np.random.Generator, vocab_size: int | None) -> dict[str, np.ndarray]:
@@ -602,20 +616,11 @@ def _beside_pays(model: ServedModel, settings: Settings, size: int, rng: np.rand
         return time.perf_counter() - start
 
     def beside() -> float:
-        gate = threading.Barrier(n + 1)
-
-        def one() -> None:
-            gate.wait(60)
-            model.backend.run(state.plain, rows)
-
-        workers = [threading.Thread(target=one, name=f"softmoe-beside-{i}") for i in range(n)]
-        for w in workers:
-            w.start()
-        gate.wait(60)
-        start = time.perf_counter()
-        for w in workers:
-            w.join()
-        return time.perf_counter() - start
+        try:
+            return run_together(n, lambda i: model.backend.run(state.plain, rows))[1]
+        except Exception as e:  # a failure must not read as a fast call
+            raise ModelLoadError(f"{model.name}/{state.plain}: {n} batches of {size} beside each other failed "
+                                 f"({type(e).__name__}: {e}); use --concurrent-batches 1") from e
 
     one_ms = min(alone() for _ in range(2)) * 1000
     if one_ms < BESIDE_MIN_MS:

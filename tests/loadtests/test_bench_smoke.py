@@ -98,6 +98,10 @@ def test_peers_report_every_ratio_or_are_skipped(smoke):
                     f"peer_{name}_cpu_per_request_ratio"):
             v = result.get(key)
             assert isinstance(v, (int, float)) and math.isfinite(v), f"{key} = {v!r}"
+        for stem in ("throughput", "c1_p50"):
+            ahead = result.get(f"peer_{name}_{stem}_rounds_ahead")
+            assert isinstance(ahead, int) and 0 <= ahead <= result["peers_rounds"]
+            assert result.get(f"peer_{name}_{stem}_verdict") in ("ahead", "tie", "behind")
     strays = [k for k in result if k.startswith("peer_") and not any(k.startswith(f"peer_{n}_") for n in ran)]
     assert not strays
 

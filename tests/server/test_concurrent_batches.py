@@ -247,6 +247,18 @@ def test_start_up_check_refuses_answers_that_depend_on_the_call_beside(packages,
             check_concurrent_batches(model, settings, log=lambda m: None)
 
 
+def test_a_failure_beside_is_refused_not_timed(packages, tmp_path, monkeypatch):
+    # --wide-lone-beside auto times N full batches beside each other: a call that raises there must
+    # stop the start-up, not read as a fast call (and so as a gain that chooses running beside).
+    from server import registry
+
+    monkeypatch.setattr(registry, "BESIDE_MIN_MS", 0.0)  # the golden model is light: measure anyway
+    with thread_dependent(packages, tmp_path, True, concurrent_batches=2, threads=2) as (model, settings):
+        with pytest.raises(ModelLoadError, match=r"golden/classify: 2 batches of 4 beside each other failed "
+                           r"\(RuntimeError: called from another thread\)"):
+            registry._beside_pays(model, settings, 4, np.random.default_rng(0), lambda m: None)
+
+
 def test_one_batch_at_a_time_is_not_checked(packages, tmp_path):
     with thread_dependent(packages, tmp_path, concurrent_batches=1) as (model, settings):
         lines = []
