@@ -25,7 +25,7 @@ object with every ratio):
              loadtests/peers_bench.py): throughput at saturation, p50/p99 at concurrency 1 and
              CPU-ms per request at saturation (every process of a server), as ratios to ours, and
              round by round: ours ahead or behind a peer only where a sign test over the rounds
-             says so (p < 0.05; 6 rounds by default, --peers-rounds), else a tie (the verdict
+             says so (p < 0.05; 8 rounds by default, --peers-rounds), else a tie (the verdict
              keys). A peer whose package does not import under --peers-python is skipped
              (its keys are absent). Servers start one at a time; one whose expected footprint
              does not fit the memory left is not started (peers_skipped_memory names it). In
@@ -484,7 +484,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="our second server in the peers section: loose (--no-strict-determinism) or concurrent2 "
                         "(--concurrent-batches 2) or spinoff (--ort-spinning off)")
     parser.add_argument("--peers-rounds", type=int, default=None, help="interleaved rounds of the peers section "
-                        "(default 6; 5 is the fewest that can give a verdict other than tie)")
+                        "(default 8, where one disturbed round still leaves a verdict: 7 of 8; 5 is the fewest "
+                        "that can give one)")
     parser.add_argument("--peers-seconds", type=float, default=None, help="each window of the peers section (default 5)")
     parser.add_argument("--peers-session", default="ort-defaults", choices=SESSIONS,
                         help="the peers' ONNX Runtime session: ort-defaults (what their users write: only the thread "

@@ -117,7 +117,7 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
             else:
                 wait_answers(servers[name], requests[0][0], 300)
         load([s.port for s in servers.values()], requests, pick(mode, 2.0, 1.0, 0.2), 2 * len(servers))  # warm all
-        window, default_rounds, conc = pick(mode, (5.0, 6, 32), (3.0, 2, 32), (0.3, 1, 8))
+        window, default_rounds, conc = pick(mode, (5.0, 8, 32), (3.0, 2, 32), (0.3, 1, 8))
         window, rounds = seconds or window, rounds or default_rounds
         def alone(s: ServerProcess, concurrency: int) -> Load:
             with frozen([o for o in servers.values() if o is not s]):  # its CPU: every process below it
