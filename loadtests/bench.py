@@ -463,6 +463,17 @@ SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "in
             "attack", "concurrent", "spinning", "layers", "gpu")
 
 
+def _positive(kind):
+    """An argparse type: a number of ``kind`` above zero."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its "invalid ... value" message
+    return parse
+
+
 def main(argv: list[str] | None = None) -> None:
     from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, invariance_bench, peers_bench, spin_bench,
                            protocol_cost)
@@ -483,10 +494,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--peers-ours-variant", default="loose", choices=sorted(peers_bench.OURS_VARIANTS),
                         help="our second server in the peers section: loose (--no-strict-determinism) or concurrent2 "
                         "(--concurrent-batches 2) or spinoff (--ort-spinning off)")
-    parser.add_argument("--peers-rounds", type=int, default=None, help="interleaved rounds of the peers section "
+    parser.add_argument("--peers-rounds", type=_positive(int), default=None, help="interleaved rounds of the peers section "
                         "(default 8, where one disturbed round still leaves a verdict: 7 of 8; 5 is the fewest "
                         "that can give one)")
-    parser.add_argument("--peers-seconds", type=float, default=None, help="each window of the peers section (default 5)")
+    parser.add_argument("--peers-seconds", type=_positive(float), default=None, help="each window of the peers section (default 5)")
     parser.add_argument("--peers-session", default="ort-defaults", choices=SESSIONS,
                         help="the peers' ONNX Runtime session: ort-defaults (what their users write: only the thread "
                         "count set) or softmoe (the session `softmoe serve` builds: only the front ends differ)")

@@ -51,3 +51,20 @@ def test_unequal_or_empty_windows_are_refused():
         paired([1.0, 2.0], [1.0], higher_is_better=True)
     with pytest.raises(ValueError):
         paired([], [], higher_is_better=True)
+
+
+@pytest.mark.parametrize("flag,value,why", [
+    ("--peers-rounds", "0", "must be above 0, got 0"),
+    ("--peers-rounds", "-3", "must be above 0, got -3"),
+    ("--peers-seconds", "0", "must be above 0, got 0"),
+    ("--peers-seconds", "x", "invalid float value: 'x'"),
+])
+def test_the_bench_refuses_rounds_or_windows_that_cannot_give_a_verdict(flag, value, why):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    r = subprocess.run([sys.executable, "-m", "loadtests.bench", flag, value], cwd=Path(__file__).resolve().parents[2],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and why in r.stderr, r.stderr
+    assert "machine:" not in r.stdout  # refused before anything ran
