@@ -490,8 +490,8 @@ def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, 
     if checked:
         log(f"{model.name}: {n} concurrent batches give outputs bitwise equal to calls alone ({', '.join(checked)})")
     else:
-        log(f"{model.name}: every call runs alone, with every intra-op thread (--wide-lone-batches: no function "
-            f"of this model has a routing graph to run beside others)")
+        log(f"{model.name}: every call runs alone, with every intra-op thread (--wide-lone-batches: none of its "
+            f"functions runs beside others: each has no routing graph, or start-up timed running beside as not paying)")
 
 
 def run_together(n: int, call) -> tuple[list, float]:
