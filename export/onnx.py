@@ -223,7 +223,7 @@ def _token_means_as_matmuls(graph) -> int:
     Why: ONNX Runtime's CPU reduction merges the unit batch axis away, so at batch 1 it sums the
     tokens in another order than at any larger batch, and a lone image's pooled features differed
     in the last bit from the same image among batch-mates; strict determinism then could not run
-    a lone request at batch shape 1 (``server.registry.prove_shapes`` refused it). A MatMul whose
+    a lone request at batch shape 1 (``server.proofs.prove_shapes`` refused it). A MatMul whose
     constant row is broadcast over the batch runs one identical GEMM per sequence whatever the
     batch. The result differs from the mean by rounding only (within every export tolerance;
     ``verify`` still checks it against PyTorch).

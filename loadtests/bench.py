@@ -167,7 +167,8 @@ def _raw_worker(conn, spec: str, batch: int, size: int, settings: dict) -> None:
     Without routing statistics (the server samples 1 call in 16: the raw side never pays it)."""
     from server.batching.batcher import Batcher
     from server.metrics import Metrics
-    from server.registry import attach_queues, load_served_model, warmup
+    from server.proofs import warmup
+    from server.registry import attach_queues, load_served_model
     from server.settings import Settings
 
     resolved = Settings(**{**settings, "routing_stats_sample": 0})

@@ -28,7 +28,8 @@ from .batching.batcher import Batcher
 from . import context
 from .errors import BadRequest, PayloadTooLarge, QueueFull, RequestTimeout, ServiceError, Unavailable
 from .metrics import DOOR, Metrics
-from .registry import ServedModel, apply_jpeg_draft, attach_queues, load_served_model, warmup
+from .proofs import warmup
+from .registry import ServedModel, apply_jpeg_draft, attach_queues, load_served_model
 from .service import Service
 from .settings import Settings
 

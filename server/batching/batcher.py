@@ -35,7 +35,7 @@ same lock and admission, and calls the same backend (ONNX Runtime sessions and t
 CPU may be run from several threads at once); the intra-op threads are divided among the workers
 by the caller. A call's rows do not depend on which worker runs it or on what runs beside it:
 start-up checks that concurrent calls give outputs bitwise equal to a call alone
-(``registry.check_concurrent_batches``).
+(``proofs.check_concurrent_batches``).
 
 Wide lone calls (``--wide-lone-batches``, onnxruntime on CPU): a queue may have a ``plan`` that
 decides, when a worker takes its batch, whether the call runs beside other calls or alone. The
@@ -109,7 +109,7 @@ class ModelQueue:
         self.metrics = metrics
         self.items: deque[Item] = deque()
         # Strict mode: the padded batch shapes this queue may run, ascending, each proven at start-up
-        # to give per-row outputs bitwise equal to the maximal shape (registry.prove_shapes).
+        # to give per-row outputs bitwise equal to the maximal shape (proofs.prove_shapes).
         self.shapes: tuple[int, ...] = (max_batch_size,)
         self.reserved = 0  # places taken by admitted requests still decoding (see Batcher.reserve)
         # Wide lone calls: plan(beside worth it) -> whether the call runs beside other calls (else

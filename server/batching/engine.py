@@ -186,7 +186,7 @@ class Engine:
         self.orphaned = False
 
     def warm_up(self) -> None:
-        from ..registry import warmup
+        from ..proofs import warmup
 
         for m in self.models:
             warmup(m, self.settings, log.info)

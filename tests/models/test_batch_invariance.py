@@ -78,7 +78,8 @@ def test_switching_off_restores_the_stock_forward(packages):
 
 
 def test_strict_serving_on_cpu_proves_small_shapes(packages):
-    from server.registry import load_served_model, prove_shapes
+    from server.proofs import prove_shapes
+    from server.registry import load_served_model
     from server.settings import Settings
 
     model = load_served_model(f"golden={packages['golden']}", Settings(backend="torch", max_batch_size=8))

@@ -20,7 +20,8 @@ import pytest
 
 from server.batching.batcher import FatalBackendError, Result
 from server.errors import Unavailable
-from server.registry import ModelLoadError, backend_threads, check_concurrent_batches, load_served_model
+from server.proofs import check_concurrent_batches
+from server.registry import ModelLoadError, backend_threads, load_served_model
 from server.settings import Settings
 
 from helpers.batching import D, HANG, FakeFn, make, outcome, row  # noqa: F401 - make: a fixture
@@ -250,13 +251,13 @@ def test_start_up_check_refuses_answers_that_depend_on_the_call_beside(packages,
 def test_a_failure_beside_is_refused_not_timed(packages, tmp_path, monkeypatch):
     # --wide-lone-beside auto times N full batches beside each other: a call that raises there must
     # stop the start-up, not read as a fast call (and so as a gain that chooses running beside).
-    from server import registry
+    from server import proofs
 
-    monkeypatch.setattr(registry, "BESIDE_MIN_MS", 0.0)  # the golden model is light: measure anyway
+    monkeypatch.setattr(proofs, "BESIDE_MIN_MS", 0.0)  # the golden model is light: measure anyway
     with thread_dependent(packages, tmp_path, True, concurrent_batches=2, threads=2) as (model, settings):
         with pytest.raises(ModelLoadError, match=r"golden/classify: 2 batches of 4 beside each other failed "
                            r"\(RuntimeError: called from another thread\)"):
-            registry._beside_pays(model, settings, 4, np.random.default_rng(0), lambda m: None)
+            proofs._beside_pays(model, settings, 4, np.random.default_rng(0), lambda m: None)
 
 
 def test_one_batch_at_a_time_is_not_checked(packages, tmp_path):
@@ -308,7 +309,7 @@ def test_wide_lone_plan_after_the_proof(packages, tmp_path):
     on the classify session; after it, alone on the routing graph (the same outputs) unless beside
     pays, and a sampled call always alone, with the statistics."""
     from server.app import create_app
-    from server.registry import prove_routing
+    from server.proofs import prove_routing
 
     from helpers.live import live_server
 
@@ -356,7 +357,7 @@ def test_wide_lone_plan_after_the_proof(packages, tmp_path):
 def test_a_light_model_runs_every_call_alone(packages, tmp_path, beside, want):
     # The golden model's batch of 4 takes about a millisecond: under the 20 ms where running beside
     # pays, so auto measures no further.
-    from server.registry import BESIDE_MIN_MS, prove_routing
+    from server.proofs import BESIDE_MIN_MS, prove_routing
 
     settings = Settings(concurrent_batches=2, threads=2, max_batch_size=4, cache_dir=str(tmp_path),
                         wide_lone_beside=beside)
