@@ -143,8 +143,12 @@ def test_oip_uint8_values_must_be_bytes(urls, data, datatype):
 
 def test_proven_shapes_with_uint8_rows(urls):
     _, uint8 = urls
+    """The start-up proof runs on uint8 rows (every byte value) and lists what it proved; which
+    smaller shapes hold depends on the CPU's kernels (tests/models/test_batch_invariance.py)."""
     shapes = httpx.get(f"{uint8}/v2/models/golden").json()["parameters"]["batch_shapes"]
-    assert shapes["classify"][-1] == 8 and len(shapes["classify"]) > 1, shapes
+    assert "classify" in shapes, shapes
+    for fn, proven in shapes.items():
+        assert proven[-1] == 8 and proven == sorted(set(proven)) and set(proven) <= {1, 2, 4, 8}, (fn, shapes)
 
 
 def test_split_front_ends_carry_uint8_rows(tmp_path):
