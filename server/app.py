@@ -7,6 +7,7 @@ draining. Routes are thin; errors go through one handler; every request is timed
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -39,7 +40,14 @@ log = logging.getLogger("softmoe.server")
 def _error(exc: ServiceError, path: str = "", metrics: Metrics | None = None) -> JSONResponse:
     if metrics is not None:
         metrics.errors.labels(exc.type).inc()
-    return JSONResponse(_body(exc.body(), path), status_code=exc.status, headers=exc.headers)
+    return _ErrorJSON(_body(exc.body(), path), status_code=exc.status, headers=exc.headers)
+
+
+class _ErrorJSON(JSONResponse):
+    """An error body, in ASCII: a message may quote what the client sent, lone surrogates included."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
 
 
 def _body(body: dict, path: str) -> dict:
@@ -74,9 +82,12 @@ class Observe:
     between check and take): one in-flight place and the body's declared bytes against
     ``max_in_flight`` and ``max_in_flight_bytes``; a chunked body reserves its bytes as they
     arrive. Bodies over ``max_body_bytes`` get 413: from Content-Length before reading, else as
-    soon as the count passes the limit. A body must arrive before the request's deadline and at
-    ``min_body_rate`` on average after ``BODY_GRACE_S``; a slower one gets 408 and the connection
-    is closed, which frees its place and its bytes (request heads are bounded in server.connection).
+    soon as the count passes the limit. A body must arrive at ``min_body_rate`` on average after
+    ``BODY_GRACE_S``, and within ``request_timeout_s``, both counted over the time spent waiting
+    for its bytes only: a request that waits for the busy event loop is not charged for it, and a
+    body already held is taken whatever the clock says (``_receive_within``). A slower one gets 408
+    and the connection is closed, which frees its place and its bytes (request heads are bounded in
+    server.connection).
     """
 
     def __init__(self, app: ASGIApp, state, metrics: Metrics, settings: Settings) -> None:
@@ -138,26 +149,30 @@ class Observe:
                 self._take(1, reserved)
             if admitted:
                 received = 0
+                waited = 0.0  # seconds spent waiting for this body's bytes: all a client is charged for
 
                 body_done = False
 
                 async def counted() -> Message:
-                    nonlocal received, reserved, body_done
+                    nonlocal received, reserved, body_done, waited
                     if body_done:  # after the body only a disconnect can come: wait for it unbounded
                         return await receive()
-                    deadline = start + settings.request_timeout_s
-                    by_rate = (start + BODY_GRACE_S + received / settings.min_body_rate if settings.min_body_rate
-                               else deadline)
+                    timeout = settings.request_timeout_s
+                    by_rate = BODY_GRACE_S + received / settings.min_body_rate if settings.min_body_rate else timeout
+                    began = time.perf_counter()
                     try:
-                        message = await _within(receive(), min(deadline, by_rate) - time.perf_counter())
+                        message = await _receive_within(receive, min(timeout, by_rate) - waited)
                     except asyncio.TimeoutError:
                         metrics.rejected.labels(DOOR, "slow_client").inc()
-                        if by_rate < deadline:
+                        if by_rate < timeout:
                             raise RequestTimeout(
                                 f"the request body is arriving slower than {settings.min_body_rate} bytes/s "
-                                f"(min_body_rate; {received} bytes in {time.perf_counter() - start:.1f} s)") from None
+                                f"(min_body_rate; {received} bytes in {waited + time.perf_counter() - began:.1f} s "
+                                "of waiting)") from None
                         raise RequestTimeout(f"the request body did not arrive within {settings.request_timeout_s:g} s "
                                              f"(request_timeout_s; {received} bytes came)") from None
+                    finally:
+                        waited += time.perf_counter() - began
                     if message["type"] == "http.request":
                         body_done = not message.get("more_body", False)
                         received += len(message.get("body", b""))
@@ -186,7 +201,7 @@ class Observe:
                 body = {"error": {"message": f"internal error (request id {request_id})", "type": "internal_error",
                                   "code": 500}}
                 metrics.errors.labels("internal_error").inc()
-                await JSONResponse(_body(body, path), status_code=500)(scope, receive, send_wrapper)
+                await _ErrorJSON(_body(body, path), status_code=500)(scope, receive, send_wrapper)
         finally:
             if admitted and not exempt:
                 self._take(-1, -reserved)
@@ -207,15 +222,47 @@ class Observe:
         self.metrics.in_flight_bytes.set(self.in_flight_bytes)
 
 
-async def _within(awaitable, seconds: float):
-    """``await awaitable``, raising asyncio.TimeoutError after ``seconds`` (at once when <= 0)."""
-    if seconds <= 0:
-        awaitable.close()
-        raise asyncio.TimeoutError
-    if sys.version_info >= (3, 11):  # a timer on this task, not a new task as wait_for makes before 3.12
-        async with asyncio.timeout(seconds):
-            return await awaitable
-    return await asyncio.wait_for(awaitable, seconds)
+async def _receive_within(receive: Receive, seconds: float) -> Message:
+    """The next message, waiting at most ``seconds`` for it; asyncio.TimeoutError past that.
+
+    A message the HTTP layer already holds is taken whatever ``seconds`` says: a busy event loop
+    can run a request's first ``receive`` seconds after its body arrived, or fire the timer in the
+    same turn as the bytes (the bytes are read first, the waiting task wakes after the timer), and
+    the client is not to blame for either. So at zero, or when the wait times out, one more
+    ``receive`` is tried that may not wait: uvicorn's returns at once when a message is ready.
+    """
+    if seconds > 0:
+        try:
+            async with _timeout(seconds):
+                return await receive()
+        except asyncio.TimeoutError:
+            pass
+    async with _timeout(0):  # fires at the loop's next turn: only a message ready now comes back
+        return await receive()
+
+
+if sys.version_info >= (3, 11):
+    _timeout = asyncio.timeout  # a timer on this task, not a new task as wait_for makes before 3.12
+else:
+    @asynccontextmanager
+    async def _timeout(seconds: float):
+        """asyncio.timeout for Python 3.10: the task is cancelled after ``seconds`` (at the loop's
+        next turn when <= 0), and that cancellation comes out as asyncio.TimeoutError."""
+        task, fired = asyncio.current_task(), []
+
+        def fire() -> None:
+            fired.append(True)
+            task.cancel()
+
+        handle = asyncio.get_running_loop().call_later(max(seconds, 0.0), fire)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if fired:
+                raise asyncio.TimeoutError from None
+            raise
+        finally:
+            handle.cancel()
 
 
 def _content_length(value: bytes | None) -> int | None:
@@ -318,13 +365,14 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
         loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         body = {"error": {"message": f"{loc}: {err.get('msg', 'invalid request')}", "type": "invalid_request", "code": 422}}
         metrics.errors.labels("invalid_request").inc()
-        return JSONResponse(_body(body, request.url.path), status_code=422)
+        return _ErrorJSON(_body(body, request.url.path), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         body = {"error": {"message": str(exc.detail), "type": "http_error", "code": exc.status_code}}
         metrics.errors.labels("http_error").inc()
-        return JSONResponse(_body(body, request.url.path), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return _ErrorJSON(_body(body, request.url.path), status_code=exc.status_code,
+                          headers=getattr(exc, "headers", None))
 
     # Unexpected exceptions are answered by Observe (outermost), so they carry the request id too.
     app.add_middleware(Observe, state=app.state, metrics=metrics, settings=settings)  # outermost

@@ -108,9 +108,9 @@ class Settings(BaseSettings):
     )
     request_timeout_s: float = Field(
         30.0, gt=0,
-        description="deadline of a whole request, from its head: receiving the body (408 and the connection closed "
-        "past it), parsing, decoding and the queue (504 past it); sending the response then gets as long again "
-        "before a client that does not read is cut off",
+        description="deadline of a whole request, from its head: parsing, decoding and the queue (504 past it); the "
+        "body gets 408 and the connection closed after this long spent waiting for its bytes; sending the response "
+        "then gets as long again before a client that does not read is cut off",
     )
     header_timeout_s: float = Field(
         10.0, gt=0,
@@ -120,9 +120,10 @@ class Settings(BaseSettings):
     )
     min_body_rate: int = Field(
         65536, ge=0,
-        description="bytes per second a request body must average, counted from its head with 2 s of grace; "
-        "slower, it gets 408 and the connection is closed, so a client trickling a body holds its admission place "
-        "for seconds, not for the whole request_timeout_s (0: only the deadline)",
+        description="bytes per second a request body must average over the time the server spends waiting for its "
+        "bytes, after 2 s of grace; slower, it gets 408 and the connection is closed, so a client trickling a body "
+        "holds its admission place for seconds, not for the whole request_timeout_s (0: only the deadline); a body "
+        "the server already holds is never refused for time, however busy the server was",
     )
     max_connections: int = Field(
         0, ge=0,

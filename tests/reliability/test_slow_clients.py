@@ -179,6 +179,39 @@ def test_a_body_slower_than_the_head_timeout_but_inside_the_deadline_is_served(u
     assert out["results"][0]["predictions"][0]["label"] in [str(i) for i in range(10)]
 
 
+def test_a_body_held_while_the_event_loop_is_busy_is_served():
+    """A client is charged only for time the server spends waiting for its bytes. Its head is in and
+    its handler waits for the body; another request then holds the event loop for longer than the
+    body's grace (a handler that blocks, as a burst of work does), and meanwhile the whole body
+    arrives. When the loop comes back, the body's timer and its bytes are due in the same turn: the
+    body is taken and served (the timer winning gave 408 "arriving slower than 65536 bytes/s")."""
+    from server.app import BODY_GRACE_S
+
+    app = create_app(Settings())
+
+    @app.post("/busy")
+    async def busy() -> dict:
+        time.sleep(BODY_GRACE_S + 1.5)  # on the event loop: nothing else runs meanwhile
+        return {}
+
+    body = json.dumps({"images": [b64(NORMAL)], "top_k": 1}).encode()
+    with live_server(app) as u, _connect(u) as waiting, _connect(u) as blocker:
+        waiting.sendall(_head("/v1/classify", len(body), b"Connection: close\r\n"))
+        for _ in range(200):  # admitted: its handler is about to wait for the body
+            if _metric(u, "softmoe_requests_in_flight") == 1:
+                break
+            time.sleep(0.02)
+        time.sleep(0.2)
+        blocker.sendall(b"POST /busy HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        time.sleep(0.5)  # the loop is inside busy() now
+        waiting.sendall(body)
+        status, _, out = _response(_read_until_closed(waiting))
+        assert _response(_read_until_closed(blocker))[0] == 200
+        assert _metric(u, "softmoe_requests_rejected_total", model="none", reason="slow_client") == 0
+    assert status == 200, out
+    assert out["results"][0]["predictions"][0]["label"] in [str(i) for i in range(10)]
+
+
 # -------------------------------------------------------------------------------------- heads
 
 
