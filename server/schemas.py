@@ -2,9 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic_core import PydanticCustomError
+
+UNICODE_ERROR = "unicode"  # the validation error type of Text: a 400 naming the field (routes.inputs)
+# Validation error types of text that is not Unicode: Text's, and pydantic's own for a constrained str.
+NOT_UNICODE = (UNICODE_ERROR, "string_unicode")
+
+
+def _unicode(value: str) -> str:
+    """JSON's ``\\uXXXX`` escapes can carry a lone surrogate (``"a\\ud800b"``), which is text to
+    Python and to JSON parsers but not Unicode: no encoder, tokenizer or response takes it."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError(UNICODE_ERROR, "not valid Unicode: a lone surrogate ({char}) at character {at}",
+                                  {"char": f"\\u{ord(value[e.start]):04x}", "at": e.start}) from None
+    return value
+
+
+# Every text a request carries (names, labels, templates, texts, ids) is checked as Unicode where it enters.
+Text = Annotated[str, AfterValidator(_unicode)]
 
 
 class _Strict(BaseModel):
@@ -47,7 +67,7 @@ class RepositoryEntry(BaseModel):
 
 
 class ClassifyRequest(_Strict):
-    model: str | None = Field(None, max_length=256, description="served model name; default: the first classifier")
+    model: Text | None = Field(None, max_length=256, description="served model name; default: the first classifier")
     images: list[str] = Field(..., min_length=1, description="base64 strings or data:image/...;base64, URIs")
     top_k: int = Field(5, ge=1, le=1000, description="labels returned per image")
 
@@ -68,9 +88,9 @@ class ClassifyResponse(BaseModel):
 
 
 class EmbedRequest(_Strict):
-    model: str | None = Field(None, max_length=256, description="served model name; default: the first model that can embed")
+    model: Text | None = Field(None, max_length=256, description="served model name; default: the first model that can embed")
     images: list[str] | None = Field(None, description="base64 strings or data URIs")
-    texts: list[str] | None = Field(None, description="texts (two-tower models with a tokenizer)")
+    texts: list[Text] | None = Field(None, description="texts (two-tower models with a tokenizer)")
     normalize: bool = Field(True, description="L2-normalise (two-tower embeddings are always normalised)")
 
 
@@ -81,10 +101,10 @@ class EmbedResponse(BaseModel):
 
 
 class ZeroShotRequest(_Strict):
-    model: str | None = Field(None, max_length=256, description="served two-tower model; default: the first one")
+    model: Text | None = Field(None, max_length=256, description="served two-tower model; default: the first one")
     images: list[str] = Field(..., min_length=1)
-    labels: list[str] = Field(..., min_length=1, description="candidate labels")
-    templates: list[str] | None = Field(None, description="prompt templates with one '{}' each; default: the model's")
+    labels: list[Text] = Field(..., min_length=1, description="candidate labels")
+    templates: list[Text] | None = Field(None, description="prompt templates with one '{}' each; default: the model's")
     activation: Literal["sigmoid", "softmax"] = Field("sigmoid", description="sigmoid: vmoe's SigLIP match "
                                                       "probability per label; softmax: over the labels")
 
@@ -107,11 +127,11 @@ class EmbeddingsRequest(BaseModel):
     """OpenAI ``POST /v1/embeddings``; image inputs as ``data:image/...;base64,`` URIs."""
 
     model_config = ConfigDict(extra="allow")
-    model: str = Field(..., max_length=256)
-    input: str | list[str] = Field(..., description="texts and/or image data URIs")
+    model: Text = Field(..., max_length=256)
+    input: Text | list[Text] = Field(..., description="texts and/or image data URIs")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    user: str | None = None
+    user: Text | None = None
 
 
 class EmbeddingData(BaseModel):
@@ -134,22 +154,22 @@ class EmbeddingsResponse(BaseModel):
 
 class OIPTensor(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: str = Field(..., max_length=256)
+    name: Text = Field(..., max_length=256)
     shape: list[int]
-    datatype: str = Field(..., max_length=16)
+    datatype: Text = Field(..., max_length=16)
     parameters: dict[str, Any] | None = None
     data: list[Any] | None = None
 
 
 class OIPRequestedOutput(BaseModel):
     model_config = ConfigDict(extra="allow")
-    name: str = Field(..., max_length=256)
+    name: Text = Field(..., max_length=256)
     parameters: dict[str, Any] | None = None
 
 
 class OIPInferRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
-    id: str | None = Field(None, max_length=256)
+    id: Text | None = Field(None, max_length=256)
     parameters: dict[str, Any] | None = None
     inputs: list[OIPTensor]
     outputs: list[OIPRequestedOutput] | None = None

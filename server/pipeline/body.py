@@ -140,4 +140,4 @@ def text_field(part: Part) -> str:
     try:
         return part.data.decode("utf-8")
     except UnicodeDecodeError:
-        raise Unprocessable(f"form field {part.name!r} is not UTF-8 text", param=part.name) from None
+        raise BadRequest(f"form field {part.name!r} is not UTF-8 text", param=part.name) from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any, TypeVar
+from urllib.parse import parse_qsl
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
@@ -15,16 +16,23 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import BadRequest, ClientDisconnected, Unprocessable, UnsupportedMediaType
 from ..pipeline.body import MAX_PARTS, inflate, loads, multipart, text_field
+from ..schemas import NOT_UNICODE
 from ..service import decode_b64
 
 M = TypeVar("M", bound=BaseModel)
 LIST_FIELDS = ("labels", "templates", "texts")
 
 
-def validation_error(e: ValidationError) -> Unprocessable:
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()))
-    return Unprocessable(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")), param=loc or None)
+def validation_error(e: ValidationError) -> Unprocessable | BadRequest:
+    """The first error, naming its field: 422 for what the schema refuses, 400 for text that is not
+    Unicode (a malformed request, like bad base64), which is reported first wherever it is."""
+    errors = e.errors()
+    bad_text = [err for err in errors if err.get("type") in NOT_UNICODE]
+    err = (bad_text or errors)[0]
+    # A union's member tags ("function-after[...]", "list[...]") are pydantic's, not the request's.
+    loc = ".".join(str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and "[" in p))
+    message = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
+    return (BadRequest if bad_text else Unprocessable)(message, param=loc or None)
 
 
 def _coerce(fields: dict[str, list[str]], model: type[BaseModel]) -> dict[str, Any]:
@@ -48,6 +56,21 @@ def _coerce(fields: dict[str, list[str]], model: type[BaseModel]) -> dict[str, A
     return out
 
 
+def query_fields(raw: bytes) -> dict[str, list[str]]:
+    """The query string's fields, each value a list. A value whose percent-escapes are not UTF-8
+    is refused naming its field (Starlette's own parse would put U+FFFD in its place)."""
+    fields: dict[str, list[str]] = {}
+    for pair in raw.decode("latin-1").split("&"):
+        try:
+            for k, v in parse_qsl(pair, keep_blank_values=True, errors="strict"):
+                fields.setdefault(k, []).append(v)
+        except UnicodeDecodeError:
+            name = parse_qsl(pair.split("=", 1)[0] + "=", keep_blank_values=True)[:1]
+            key = name[0][0] if name else "?"
+            raise BadRequest(f"query parameter {key!r} is not UTF-8 text", param=key) from None
+    return fields
+
+
 async def read_body(request: Request) -> bytes:
     """The whole body (capped by the observe middleware), inflated off the event loop when encoded."""
     try:
@@ -68,9 +91,7 @@ async def parse(request: Request, model: type[M], image_field: str = "images", i
     """
     ctype_header = request.headers.get("content-type", "")
     ctype = ctype_header.split(";")[0].strip().lower()
-    query: dict[str, list[str]] = {}
-    for k, v in request.query_params.multi_items():
-        query.setdefault(k, []).append(v)
+    query = query_fields(request.scope.get("query_string", b""))
     max_images = request.app.state.settings.max_images_per_request
     if ctype not in ("application/json", "", "multipart/form-data", "application/octet-stream") \
             and not ctype.startswith("image/"):

@@ -411,3 +411,51 @@ def test_a_json_key_given_twice_is_400_naming_it(url, path):
     err = r.json()["error"]
     message = err if isinstance(err, str) else err["message"]
     assert "twice" in message and ("top_k" in message or "model" in message or "name" in message), message
+
+
+LONE = "a\\ud800b"  # a JSON escape of a lone surrogate: valid JSON, not Unicode
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/classify", '{"model": "%s", "images": ["x"]}', "model"),
+    ("/v1/zero-shot", '{"images": ["%%s"], "labels": ["cat", "%s"]}', "labels.1"),
+    ("/v1/zero-shot", '{"images": ["%%s"], "labels": ["cat"], "templates": ["%s {}"]}', "templates.0"),
+    ("/v1/zero-shot", '{"model": "%s", "images": ["%%s"], "labels": ["cat"]}', "model"),
+    ("/v1/embed", '{"model": "digits-lit", "texts": ["ok", "%s"]}', "texts.1"),
+    ("/v1/embeddings", '{"model": "digits-lit", "input": "%s"}', "input"),
+    ("/v1/embeddings", '{"model": "digits-lit", "input": ["ok", "%s"]}', "input.1"),
+    ("/v1/embeddings", '{"model": "%s", "input": "ok"}', "model"),
+    ("/v1/embeddings", '{"model": "digits-lit", "input": "ok", "user": "%s"}', "user"),
+    ("/v2/models/digits/infer", '{"id": "%s", "inputs": []}', "id"),
+    ("/v2/models/digits/infer", '{"inputs": [{"name": "%s", "shape": [1], "datatype": "FP32", "data": [0]}]}',
+     "inputs.0.name"),
+    ("/v2/models/digits/infer", '{"inputs": [{"name": "x", "shape": [1], "datatype": "%s", "data": [0]}]}',
+     "inputs.0.datatype"),
+    ("/v2/models/digits/infer", '{"inputs": [], "outputs": [{"name": "%s"}]}', "outputs.0.name"),
+])
+def test_a_lone_surrogate_in_a_text_field_is_400_naming_it(url, path, body, field):
+    """JSON may carry ``"a\\ud800b"``; it is no Unicode text, and no tokenizer or encoder takes it."""
+    text = (body % LONE).replace("%s", b64(_digit_png())) if "%%s" in body else body % LONE
+    r = httpx.post(url + path, content=text.encode(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    message = error if isinstance(error, str) else error["message"]
+    assert message.startswith(f"{field}: ") and "nicode" in message, message
+    if not isinstance(error, str):
+        assert error["param"] == field
+
+
+@pytest.mark.parametrize("how", ["form", "query"])
+def test_text_that_is_not_utf8_in_a_form_field_or_query_is_400_naming_it(url, how):
+    image = _digit_png()
+    if how == "form":
+        body = (b'--B\r\nContent-Disposition: form-data; name="labels"\r\n\r\nx\xed\xa0\x80y\r\n--B\r\n'
+                b'Content-Disposition: form-data; name="image"; filename="a.png"\r\nContent-Type: image/png\r\n\r\n'
+                + image + b"\r\n--B--\r\n")
+        r = httpx.post(f"{url}/v1/zero-shot", content=body, headers={"content-type": "multipart/form-data; boundary=B"},
+                       timeout=30)
+    else:
+        r = httpx.post(f"{url}/v1/zero-shot?labels=cat&labels=%ED%A0%80", content=image,
+                       headers={"content-type": "image/png"}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "labels" and "UTF-8" in r.json()["error"]["message"]
