@@ -103,7 +103,7 @@ def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Grap
 
 
 def _weights_sha(pkg: Package) -> str:
-    from softmoe_models.convert.convert import sha256_of
+    from softmoe_models.convert.readers import sha256_of
 
     return sha256_of([pkg.path / "model.safetensors"])
 

@@ -31,7 +31,7 @@ from .errors import BadRequest, PayloadTooLarge, QueueFull, RequestTimeout, Serv
 from .metrics import DOOR, Metrics
 from .proofs import warmup
 from .registry import ServedModel, apply_jpeg_draft, attach_queues, load_served_model
-from .service import Service
+from .service import Service, is_ready
 from .settings import Settings
 
 log = logging.getLogger("softmoe.server")
@@ -378,13 +378,6 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     app.add_middleware(Observe, state=app.state, metrics=metrics, settings=settings)  # outermost
     _openapi_components(app)
     return app
-
-
-def is_ready(state) -> bool:
-    """Every model loaded and warmed up, the device worker alive, not draining."""
-    batcher = state.batcher
-    return bool(state.ready and not state.draining and batcher is not None and batcher.alive
-                and all(m.ready for m in state.models.values()))
 
 
 def _openapi_components(app: FastAPI) -> None:

@@ -99,3 +99,7 @@ class InferenceFailed(ServiceError):
     exception text is logged with the request id, never sent to the client."""
 
     status, type = 500, "inference_failed"
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded; the server does not start (a start-up error, not a response)."""

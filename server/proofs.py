@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 from .backends.base import ROUTING, all_functions
-from .registry import ModelLoadError, ServedModel, backend_threads, total_threads, wide_lone
+from .errors import ModelLoadError
+from .registry import ServedModel, backend_threads, total_threads, wide_lone
 from .settings import Settings
 
 

@@ -19,14 +19,11 @@ from softmoe_models.tokenizer import Tokenizer
 
 from .backends.base import PIXELS, ROUTING, Backend
 from .batching.batcher import Batcher, ModelQueue
+from .errors import ModelLoadError
 from .metrics import Metrics
 from .settings import Settings
 
 DEFAULT_TEMPLATES = ["a photo of a {}.", "a picture of a {}.", "an image of a {}.", "{}"]
-
-
-class ModelLoadError(Exception):
-    """A model could not be loaded; the server does not start."""
 
 
 @dataclass
@@ -432,3 +429,19 @@ def _attach_routing(model: ServedModel, batcher: Batcher, settings: Settings, me
     # Its places are for inspecting routing, not serving capacity: the gauge keeps the serving queues' sum.
     metrics.queue_capacity.labels(model.name).set(sum(q.max_queue for q in queue.siblings if q is not queue))
     state.bind(metrics, model.name)
+
+
+def batching_parameters(model: ServedModel, settings: Settings) -> dict:
+    """The batch shapes the model runs (strict mode's proven padded shapes per function) and how
+    many batches run at once."""
+    queues = model.queues
+    out = {"max_batch_size": max((q.max_batch_size for q in queues.values()), default=0),
+           "concurrent_batches": settings.concurrent_batches,
+           "strict_determinism": any(q.pad for q in queues.values()),
+           "batch_shapes": {fn: list(q.shapes) for fn, q in queues.items() if q.pad}}
+    if model.routing is not None and model.routing.lone:  # --wide-lone-batches, in effect for this model
+        state = model.routing  # proven: alone on the routing graph; beside: at load, beside other calls
+        out["wide_lone_batches"] = {"proven": state.shared, "beside": not state.shared or state.beside}
+    if model.preprocess is not None:
+        out["jpeg_draft"] = model.preprocess.jpeg_draft  # --jpeg-draft: faster JPEG decode, other pixels
+    return out

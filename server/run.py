@@ -31,23 +31,11 @@ from types import FrameType
 
 import uvicorn
 
-from export.errors import ExportError
-from softmoe_models.convert import ConversionError
-from softmoe_models.package import PackageError
-
-from .app import create_app, default_model_specs
-from .registry import ModelLoadError, ServedModel, apply_jpeg_draft, load_served_model
+from .app import create_app
 from .settings import Settings
+from .startup import StartupError, check_backend, describe, load_models
 
 log = logging.getLogger("softmoe.server")
-
-# Exceptions whose message is already written for the user; others are prefixed with their type.
-_PLAIN = (ModelLoadError, PackageError, ConversionError, ExportError)
-
-
-class StartupError(Exception):
-    """The server cannot start: a setting, a model, the backend, the device or the port."""
-
 
 class DrainingServer(uvicorn.Server):
     """uvicorn with a drain phase between the signal and closing the listener."""
@@ -76,15 +64,6 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def describe(error: BaseException) -> str:
-    """A one-line description of an exception for the ``error: ...`` line."""
-    if isinstance(error, _PLAIN):
-        text = str(error)
-    else:
-        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind (not yet listen on) ``host:port``; uvicorn listens once the models are ready.
 
@@ -107,85 +86,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
         raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.set_inheritable(True)
     return sock
-
-
-def check_backend(settings: Settings) -> None:
-    """Fail fast, before any export or load, when the backend or the device cannot run here.
-
-    Raises:
-        StartupError: naming what is missing (the extra to install, or the device).
-    """
-    if settings.backend == "onnxruntime":
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            hint = "softmoe-serve[gpu]" if settings.device == "cuda" else "softmoe-serve[cpu]"
-            raise StartupError(f"--backend onnxruntime needs onnxruntime: pip install '{hint}'") from None
-        if settings.device == "cuda":  # the CUDA EP compiled in, and a probe session really on it
-            from server.backends.cuda import DeviceUnavailableError, ort_cuda_preflight
-
-            try:
-                ort_cuda_preflight(ort)
-            except DeviceUnavailableError as e:
-                raise StartupError(str(e)) from None
-    elif settings.backend == "tensorrt":
-        from export.tensorrt import import_tensorrt
-
-        try:
-            import_tensorrt()
-        except Exception as e:  # MissingExtraError names the extra
-            raise StartupError(f"--backend tensorrt: {describe(e)}") from None
-    if settings.decode_device == "cuda":
-        from server.pipeline.gpu_decode import GpuDecodeUnavailable, open_decoder
-
-        try:
-            open_decoder()
-        except GpuDecodeUnavailable as e:
-            raise StartupError(str(e)) from None
-    if settings.backend == "tensorrt" or (settings.backend == "torch" and settings.device == "cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise StartupError(
-                f"--backend {settings.backend} needs a CUDA device, and torch {torch.__version__} sees none "
-                f"({'a CPU-only build' if torch.version.cuda is None else f'built for CUDA {torch.version.cuda}'})"
-            )
-
-
-def load_models(settings: Settings) -> list[ServedModel]:
-    """Every configured model (or the built-in defaults), loaded; closes them all on failure.
-
-    Raises:
-        StartupError: naming the model spec and what went wrong.
-    """
-    try:
-        specs = settings.models or default_model_specs(settings)
-    except Exception as e:
-        log.debug("default models", exc_info=True)
-        raise StartupError(f"default models: {describe(e)}") from None
-    loaded: list[ServedModel] = []
-    try:
-        for spec in specs:
-            try:
-                loaded.append(load_served_model(spec, settings, log.info))
-            except Exception as e:
-                log.debug("loading %s failed", spec, exc_info=True)
-                text = describe(e)
-                raise StartupError(text if isinstance(e, ModelLoadError) else f"cannot load model {spec}: {text}") from None
-        names = [m.name for m in loaded]
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise StartupError(f"two models share the name {', '.join(dupes)}; name them with --model NAME=PKG")
-        try:
-            apply_jpeg_draft(loaded, settings.jpeg_draft)
-        except ModelLoadError as e:
-            raise StartupError(str(e)) from None
-    except BaseException:
-        for m in loaded:
-            with contextlib.suppress(Exception):
-                m.backend.close()
-        raise
-    return loaded
 
 
 async def _serve(server: DrainingServer, sock: socket.socket) -> None:

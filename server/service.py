@@ -569,3 +569,10 @@ class Service:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def is_ready(state) -> bool:
+    """Every model loaded and warmed up, the device worker alive, not draining."""
+    batcher = state.batcher
+    return bool(state.ready and not state.draining and batcher is not None and batcher.alive
+                and all(m.ready for m in state.models.values()))

@@ -1,4 +1,5 @@
-"""Imports flow one way: server -> export -> softmoe_models, never back.
+"""Imports flow one way: server -> export -> softmoe_models, never back; and inside each layer no
+two modules import each other, directly or around a circle.
 
 The model layer converts and runs models without the export or serving stacks, and export builds
 artifacts without the server; a newcomer can read each layer knowing only the ones below it. The
@@ -6,6 +7,11 @@ artifacts without the server; a newcomer can read each layer knowing only the on
 (server/main.py). Every import is checked, not only the module-level ones: an import inside a
 function is the same arrow, merely taken later. Relative imports are resolved, and
 ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name count as imports.
+
+Inside a layer, an import circle (``a`` imports ``b`` and ``b`` imports ``a``, perhaps inside a
+function so that it loads at all) means neither module can be read, tested or moved without the
+other: whatever two modules share belongs in the lower one, and each names its dependencies one
+way.
 """
 
 from __future__ import annotations
@@ -89,6 +95,91 @@ def test_imports_never_point_up_a_layer():
     assert not problems, "imports must flow server -> export -> softmoe_models:\n" + "\n".join(problems)
 
 
+def module_edges(source: str, module: str, is_package: bool, known: set[str]) -> list[tuple[int, str]]:
+    """(line, module) for every import of a module in ``known`` (``from p import m`` names the
+    submodule ``p.m`` when there is one, else the package ``p``)."""
+    package = module if is_package else module.rpartition(".")[0]
+    edges = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            target = resolve(node.module, node.level, package)
+            for alias in node.names if target is not None else []:
+                sub = f"{target}.{alias.name}"
+                if sub in known or target in known:
+                    edges.append((node.lineno, sub if sub in known else target))
+        elif isinstance(node, ast.Import):
+            edges += [(node.lineno, alias.name) for alias in node.names if alias.name in known]
+        elif isinstance(node, ast.Call) and _dynamic_import_name(node) in known:
+            edges.append((node.lineno, _dynamic_import_name(node)))
+    return sorted({e for e in edges if e[1] != module})
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The circles of ``graph`` (module -> {imported module: line}) between modules of one layer:
+    each strongly connected component of two or more modules, as one circle through it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w.split(".")[0] != v.split(".")[0]:
+                continue  # between layers: test_imports_never_point_up_a_layer
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_circle(graph, set(c)) for c in components]
+
+
+def _circle(graph: dict[str, dict[str, int]], members: set[str]) -> list[str]:
+    """A shortest circle through the first member, staying inside ``members``: [a, b, ..., a]."""
+    start = min(members)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w in sorted(graph[v]):
+            if w == start:
+                return paths[v] + [start]
+            if w in members and w not in paths:
+                paths[w] = paths[v] + [w]
+                queue.append(w)
+    raise AssertionError("a strongly connected component without a circle")
+
+
+def test_no_import_circles_inside_a_layer():
+    files = {module_of(p): p for p in layer_sources()}
+    known = {module for module, _ in files}
+    graph, lines = {}, {}
+    for (module, is_package), path in files.items():
+        edges = module_edges(path.read_text(encoding="utf-8"), module, is_package, known)
+        graph[module] = {target: line for line, target in edges}
+        lines[module] = str(path.relative_to(ROOT))
+    cycles = import_cycles(graph)
+    described = [" -> ".join(f"{a} ({lines[a]}:{graph[a][b]})" for a, b in zip(c, c[1:])) + f" -> {c[-1]}"
+                 for c in cycles]
+    assert not cycles, "modules that import each other (move what they share into the lower one):\n" + \
+        "\n".join(described)
+
+
 # ---------------------------------------------------------------- the walker can fail
 
 
@@ -135,3 +226,14 @@ def test_relative_imports_are_resolved():
     assert imported_modules(ast.parse("from ..pipeline import decode"), "server.routes") == [(1, "server.pipeline")]
     # an __init__ is its own package: `from .x import y` in server/__init__.py is server.x
     assert upward_imports("from .cli import main\n", "softmoe_models", "softmoe_models/__init__.py", True) == []
+
+
+def test_the_cycle_finder_finds_circles_and_only_circles():
+    graph = {"server.a": {"server.b": 1}, "server.b": {"server.c": 2}, "server.c": {"server.a": 3, "server.d": 4},
+             "server.d": {}, "server.e": {"export.x": 5}, "export.x": {"server.e": 6}}
+    assert import_cycles(graph) == [["server.a", "server.b", "server.c", "server.a"]]
+    assert import_cycles({"server.a": {"server.b": 1}, "server.b": {}}) == []
+    source = "from . import b\nfrom .c import thing\n\ndef later():\n    from server.pkg import d\n"
+    known = {"server.pkg.a", "server.pkg.b", "server.pkg.c", "server.pkg", "server.pkg.d"}
+    assert module_edges(source, "server.pkg.a", False, known) == [
+        (1, "server.pkg.b"), (2, "server.pkg.c"), (5, "server.pkg.d")]

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from server.registry import ModelLoadError
+from ..errors import ModelLoadError
 
 from .base import FunctionSpec, Rows
 

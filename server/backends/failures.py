@@ -21,6 +21,10 @@ from typing import Literal
 
 Kind = Literal["transient", "deterministic", "fatal"]
 
+
+class FatalBackendError(RuntimeError):
+    """The device is unusable (the process must be restarted)."""
+
 # Messages of errors that leave the CUDA context unusable (CUDA runtime error names and texts).
 FATAL_MARKERS = (
     "illegal memory access", "illegal instruction", "misaligned address", "device-side assert",
@@ -39,8 +43,6 @@ TRANSIENT_MARKERS = (
 
 def classify(exc: BaseException) -> Kind:
     """The failure class of an exception raised while running a batch."""
-    from ..batching.batcher import FatalBackendError
-
     if isinstance(exc, FatalBackendError):
         return "fatal"
     if isinstance(exc, (MemoryError, TimeoutError)):

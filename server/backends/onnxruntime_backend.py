@@ -232,7 +232,7 @@ class OnnxRuntimeBackend:
             from .cuda import is_sticky_cuda_message
 
             if self.device == "cuda" and is_sticky_cuda_message(str(e)):
-                from ..batching.batcher import FatalBackendError
+                from .failures import FatalBackendError
 
                 raise FatalBackendError(f"CUDA context unusable: {' '.join(str(e).split())[:300]}") from e
             raise

@@ -66,15 +66,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..backends.failures import FatalBackendError, classify
 from ..errors import BackendFailure, DeadlineExceeded, InferenceFailed, QueueFull, Unavailable
 from ..metrics import Metrics
 
 Rows = dict[str, np.ndarray]
 log = logging.getLogger("softmoe.batcher")
-
-
-class FatalBackendError(RuntimeError):
-    """The device is unusable (the process must be restarted)."""
 
 
 @dataclass
@@ -352,8 +349,6 @@ class Batcher:
         return live
 
     def _call(self, queue: ModelQueue, items: list[Item]) -> None:
-        from ..backends.failures import classify
-
         start = time.perf_counter()
         try:
             if self.before_call is not None:

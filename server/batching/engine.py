@@ -411,7 +411,7 @@ def engine_main(settings, frontends: int, lock, path: str, token: bytes, report,
         prefix: the names of the shared memory segments begin with it (see ``unlink_segments``).
     """
     from ..metrics import Metrics
-    from ..run import StartupError, check_backend, describe, load_models
+    from ..startup import StartupError, check_backend, describe, load_models
 
     state: dict[str, Any] = {}
 

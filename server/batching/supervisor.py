@@ -114,7 +114,7 @@ class Supervisor:
     @staticmethod
     def _await_ready(proc, recv, what: str) -> None:
         """Until the child reports ready. Raises StartupError (its one line) if it cannot start."""
-        from ..run import StartupError
+        from ..startup import StartupError
 
         try:
             ready = wait_any([recv, proc.sentinel])

@@ -25,7 +25,8 @@ from ..errors import BadRequest, NotFound, Unavailable, Unprocessable
 from ..schemas import (Health, ModelReadiness, OIPError, OIPInferRequest, OIPInferResponse, OIPModelMetadata,
                        OIPServerMetadata, RepositoryEntry)
 from ..pipeline.body import loads
-from ..service import Timings
+from ..registry import batching_parameters
+from ..service import Timings, is_ready
 from .inputs import read_body, validation_error
 
 router = APIRouter(tags=["open inference protocol v2"])
@@ -89,8 +90,6 @@ async def live(request: Request):
 @router.get("/v2/health/ready", response_model=Health, responses={503: {"model": Health}},
             summary="Readiness: every model loaded and warmed up, not draining")
 async def ready(request: Request):
-    from ..app import is_ready
-
     ok = is_ready(request.app.state)
     return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
@@ -103,23 +102,7 @@ async def model_metadata(request: Request, model_name: str, version: str | None 
     ins, outs = _tensors(model)
     # parameters: what actually runs (the provider ONNX Runtime really uses, not what was asked for).
     return {"name": model.name, "versions": ["1"], "platform": f"softmoe_{model.backend.name}", "inputs": ins,
-            "outputs": outs, "parameters": {**model.backend.describe(), **_batching(model, request.app.state.settings)}}
-
-
-def _batching(model, settings) -> dict:
-    """The batch shapes the model runs (strict mode's proven padded shapes per function) and how
-    many batches run at once."""
-    queues = model.queues
-    out = {"max_batch_size": max((q.max_batch_size for q in queues.values()), default=0),
-           "concurrent_batches": settings.concurrent_batches,
-           "strict_determinism": any(q.pad for q in queues.values()),
-           "batch_shapes": {fn: list(q.shapes) for fn, q in queues.items() if q.pad}}
-    if model.routing is not None and model.routing.lone:  # --wide-lone-batches, in effect for this model
-        state = model.routing  # proven: alone on the routing graph; beside: at load, beside other calls
-        out["wide_lone_batches"] = {"proven": state.shared, "beside": not state.shared or state.beside}
-    if model.preprocess is not None:
-        out["jpeg_draft"] = model.preprocess.jpeg_draft  # --jpeg-draft: faster JPEG decode, other pixels
-    return out
+            "outputs": outs, "parameters": {**model.backend.describe(), **batching_parameters(model, request.app.state.settings)}}
 
 
 @router.get("/v2/models/{model_name}/ready", response_model=ModelReadiness,

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 
 from ..errors import NotFound, Unavailable, Unprocessable
 from ..schemas import EmbeddingsRequest, EmbeddingsResponse, ErrorResponse
+from ..registry import batching_parameters
 from ..service import Timings, decode_b64
 from .inputs import body_doc, parse
 
@@ -66,10 +67,8 @@ async def embeddings(request: Request):
 
 @router.get("/v1/models", summary="Served models (OpenAI list format)")
 async def list_models(request: Request):
-    from .oip import _batching
-
     data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "softmoe-serve", "kind": m.kind,
              "ready": m.ready, "backend": m.backend.describe(), "source": m.source,
-             "batching": _batching(m, request.app.state.settings)}
+             "batching": batching_parameters(m, request.app.state.settings)}
             for m in request.app.state.models.values()]
     return JSONResponse({"object": "list", "data": data})

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +12,7 @@ from ..models import build_model
 from .errors import ConversionError
 from .infer import infer_config
 from .mapping import TO_TORCH, entries
+from .readers import sha256_of
 
 Params = dict[str, np.ndarray]
 
@@ -82,18 +82,6 @@ def _encoder_for(cfg: ModelConfig, flax_key: str) -> EncoderConfig:
         return cfg.text.encoder if flax_key.startswith("txt/") else cfg.image.encoder
     assert isinstance(cfg, ViTConfig)
     return cfg.encoder
-
-
-def sha256_of(files: list[Path], root: Path | None = None) -> str:
-    """sha256 over files in order; with ``root``, relative names are hashed too."""
-    h = hashlib.sha256()
-    for f in files:
-        if root is not None:
-            h.update(str(f.relative_to(root)).encode())
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 def convert_checkpoint(

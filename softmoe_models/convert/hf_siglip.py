@@ -436,7 +436,7 @@ def text_contract(tok: dict[str, Any], sp_bytes: bytes, max_positions: int, voca
 
 
 def _hf_digest(files: list[Path], root: Path) -> str:
-    from .convert import sha256_of
+    from .readers import sha256_of
 
     return sha256_of(sorted(set(files)), root)
 

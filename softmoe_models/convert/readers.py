@@ -11,6 +11,7 @@ Anything else raises :class:`ConversionError` naming the path and listing these 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -175,3 +176,15 @@ def read_checkpoint(src: PathLike) -> tuple[dict[str, np.ndarray], list[str], st
     if not params:
         raise ConversionError(f"{src}: the checkpoint holds no parameter arrays")
     return params, notices, fmt
+
+
+def sha256_of(files: list[Path], root: Path | None = None) -> str:
+    """sha256 over files in order; with ``root``, relative names are hashed too."""
+    h = hashlib.sha256()
+    for f in files:
+        if root is not None:
+            h.update(str(f.relative_to(root)).encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
