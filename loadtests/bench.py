@@ -42,6 +42,8 @@ object with every ratio):
   spinning   `--ort-spinning run` (the default) vs off on soft-s16-e128 at max batch 8: the backend
              alone at batch 1 and 8, then serving at saturation and at concurrency 1
              (loadtests/spin_bench.py).
+  memory     Resident memory of every server process over the weights' bytes, soft-s16-e128 with
+             defaults, a first start (exporting) and a cached one (loadtests/memory_bench.py).
   layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
              eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
@@ -459,9 +461,10 @@ GOALS = {  # key: (comparison, target); the last four are issue 14's
     "strict_saturation_ratio": (">=", 0.95),
     "e2e_over_raw": (">=", 0.95),
     "frontend_scaling": (">=", 0.8),
+    "rss_over_weights": ("<=", 1.35),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "attack", "concurrent", "spinning", "layers", "gpu")
+            "attack", "concurrent", "spinning", "memory", "layers", "gpu")
 
 
 def _positive(kind):
@@ -476,8 +479,8 @@ def _positive(kind):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, invariance_bench, peers_bench, spin_bench,
-                           protocol_cost)
+    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, invariance_bench, memory_bench, peers_bench,
+                           protocol_cost, spin_bench)
     from loadtests.peers.common import SESSIONS
 
     argv = sys.argv[1:] if argv is None else argv
@@ -528,6 +531,7 @@ def main(argv: list[str] | None = None) -> None:
             "attack": lambda: attack_bench.section(mode),
             "concurrent": lambda: concurrent_bench.section(mode, Path(tmp)),
             "spinning": lambda: spin_bench.section(mode, Path(tmp)),
+            "memory": lambda: memory_bench.section(mode, Path(tmp)),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

@@ -33,7 +33,7 @@ def _importable(python: str, module: str) -> bool:
 # Our second server beside the peers (``--peers-ours-variant``): its flags, after our defaults.
 # concurrent2: two batches at once on one thread each, whether alone or not (--no-wide-lone-batches;
 # our default runs a lone batch on every thread), without the routing graph (the peers have none
-# either): its weights once, so that on soft-s16-e128 it fits beside the others in 23 GB.
+# either), as they are served.
 # spinoff: ONNX Runtime's intra-op threads never spinning (our default spins within a batch).
 OURS_VARIANTS = {"loose": ["--no-strict-determinism"],
                  "concurrent2": ["--concurrent-batches", "2", "--no-wide-lone-batches", "--no-routing"],
@@ -102,10 +102,10 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
                                                Path(tempfile.mkdtemp(prefix="softmoe-bench-")) / "server.log")
         # One at a time, each ready before the next starts: start-up peaks (export checks, the
         # proofs) never add up. A server whose expected footprint does not fit what is left is
-        # not started: ours holds the plain and the routing graph (2x the weights), a peer one.
+        # not started: each holds its weights once (ours serves the plain function from the
+        # routing graph's session).
         for name, start in starts.items():
-            copies = 2 if name == "ours" or (name == second and "--no-routing" not in OURS_VARIANTS[variant]) else 1
-            need, free = copies * weights + (1 << 30), mem_available()
+            need, free = weights + (1 << 30), mem_available()
             if name != "ours" and free < need:
                 skipped_memory.append(name)
                 print(f"peers: {name} not started: it needs about {need / 2**30:.1f} GiB, "

@@ -7,6 +7,7 @@ fails narrows how the model is served, or stops the start-up (``ModelLoadError``
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -19,17 +20,60 @@ from .settings import Settings
 
 
 def warmup(model: ServedModel, settings: Settings, log=print) -> None:
-    """Every batch shape the server will run: the proven padded shapes (strict) or 1..max (loose)."""
-    if not settings.warmup:
-        return
-    if settings.strict_determinism:
-        model.backend.warmup([settings.max_batch_size])
-        if settings.proven_shapes:
-            prove_shapes(model, settings.max_batch_size, log)
+    """Every batch shape the server will run: the proven padded shapes (strict) or 1..max (loose);
+    then the proofs, whose lines go to the debug log, and one line for ``log`` that says how the
+    model is served (``serving_line``)."""
+    if settings.warmup:
+        detail = logging.getLogger("softmoe.startup").debug
+        if settings.strict_determinism:
+            model.backend.warmup([settings.max_batch_size])
+            if settings.proven_shapes:
+                prove_shapes(model, settings.max_batch_size, detail)
+        else:
+            model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
+        prove_routing(model, settings, detail)
+        check_concurrent_batches(model, settings, detail)
+    log(serving_line(model, settings))
+
+
+def serving_line(model: ServedModel, settings: Settings) -> str:
+    """How ``model`` is served, in one line: backend, device and precision; the padded shapes (strict
+    mode: those proven, or the full one); the intra-op threads; whether calls run one at a time or
+    beside each other, and why."""
+    info = model.backend.describe()
+    where = f"{info.get('backend', model.backend.name)} on {info.get('device', settings.device)}"
+    precision = info.get("precision")
+    parts = [f"{model.name}: {where}" + (f" ({precision})" if precision else "")]
+    full = settings.max_batch_size
+    if not settings.strict_determinism:
+        parts.append(f"batches of 1 to {full} as they come (--no-strict-determinism)")
     else:
-        model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
-    prove_routing(model, settings, log)
-    check_concurrent_batches(model, settings, log)
+        shapes = {fn: tuple(q.shapes) for fn, q in model.queues.items() if q.pad and fn != ROUTING}
+        kinds = set(shapes.values())
+        proven = "proven bitwise equal to " + str(full) if settings.warmup and settings.proven_shapes else "not proven"
+        if len(kinds) == 1:
+            parts.append(f"padded shapes {', '.join(map(str, kinds.pop()))} ({proven})")
+        elif kinds:
+            each = "; ".join(f"{fn} {', '.join(map(str, sh))}" for fn, sh in shapes.items())
+            parts.append(f"padded shapes {each} ({proven})")
+    threads, n = total_threads(settings), settings.concurrent_batches
+    state = model.routing
+    if settings.device != "cpu":
+        parts.append("one batch at a time")
+    elif n == 1:
+        parts.append(f"one batch at a time with {threads} intra-op threads")
+    elif not wide_lone(settings):
+        parts.append(f"{n} batches at once, {backend_threads(settings)} of the {threads} intra-op threads each")
+    elif state is not None and state.lone and not state.shared:
+        parts.append(f"{n} batches at once, {backend_threads(settings)} of the {threads} intra-op threads each "
+                     f"({state.why})")
+    elif state is not None and state.lone and state.beside:
+        parts.append(f"a lone batch with all {threads} intra-op threads, at load {n} full batches beside each other "
+                     f"({state.why})")
+    else:
+        why = state.why if state is not None and state.lone and state.why else "no function of it runs beside others"
+        parts.append(f"every batch alone with {threads} intra-op threads ({why})")
+    return "; ".join(parts)
 
 
 def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, seed: int = 2) -> None:
@@ -72,9 +116,6 @@ def check_concurrent_batches(model: ServedModel, settings: Settings, log=print, 
         checked.append(fn)
     if checked:
         log(f"{model.name}: {n} concurrent batches give outputs bitwise equal to calls alone ({', '.join(checked)})")
-    else:
-        log(f"{model.name}: every call runs alone, with every intra-op thread (--wide-lone-batches: none of its "
-            f"functions runs beside others: each has no routing graph, or start-up timed running beside as not paying)")
 
 
 def run_together(n: int, call) -> tuple[list, float]:
@@ -127,9 +168,10 @@ def prove_routing(model: ServedModel, settings: Settings, log=print, seed: int =
     queue runs (strict: its proven shapes; loose: the warmed sizes). Otherwise a sampled call runs
     both graphs, and an image's answer never depends on whether its call was sampled.
 
-    Under ``--wide-lone-batches`` the same proof lets a call that runs alone run the routing graph,
-    with every thread (the plain graph's session has a share); without it, every call runs beside
-    the others on the plain graph's session."""
+    On onnxruntime the routing graph's session serves the plain function too (one copy of the
+    weights), and on torch one module answers both, so the proof holds by construction there; it
+    stays for any backend whose two functions are separate engines. Under ``--wide-lone-batches``
+    it also measures whether full batches should run beside each other (``_beside_pays``)."""
     state = model.routing
     if state is None or not (state.sample or state.lone):
         return False
@@ -144,24 +186,14 @@ def prove_routing(model: ServedModel, settings: Settings, log=print, seed: int =
         got = model.backend.run(ROUTING, rows)
         if any(not np.array_equal(got[k], v) for k, v in want.items()):
             state.shared = False
-            why = f"the routing graph's {state.plain} outputs differ from the plain graph's at batch {size}"
-            if state.sample:
-                log(f"{model.name}: routing statistics from 1 in {state.sample} {state.plain} calls, by a second call "
-                    f"({why})")
-            if state.lone:
-                log(f"{model.name}: no wide lone calls: every {state.plain} call runs beside the others, with "
-                    f"{backend_threads(settings)} intra-op threads ({why})")
+            state.why = f"the routing function's {state.plain} outputs differ from the plain one's at batch {size}"
+            log(f"{model.name}: {state.why}: sampled calls make a second call for the statistics"
+                + ("; every call runs beside the others" if state.lone else ""))
             return False
     state.shared = True
     if state.lone:
         state.beside = _beside_pays(model, settings, sizes[-1], rng, log)
-    if state.sample:
-        log(f"{model.name}: routing statistics from 1 in {state.sample} {state.plain} calls, by the routing graph "
-            f"alone (its outputs proven bitwise equal to the plain graph's at {sizes})")
-    if state.lone and state.beside:
-        log(f"{model.name}: a {state.plain} call that runs alone runs the routing graph with {total_threads(settings)} "
-            f"intra-op threads, beside others the plain graph with {backend_threads(settings)} (outputs proven "
-            f"bitwise equal at {sizes})")
+    log(f"{model.name}: the routing function's {state.plain} outputs are the plain one's, bitwise, at {sizes}")
     return True
 
 
@@ -179,19 +211,16 @@ BESIDE_MIN_MS = 20.0
 
 def _beside_pays(model: ServedModel, settings: Settings, size: int, rng: np.random.Generator, log) -> bool:
     """Whether full batches of the plain function should run beside each other: the best of
-    three full batches alone on the routing graph's session (every thread) against the best of three
-    rounds of N at once on the plain graph's (1/N of them each). Too light (``BESIDE_MIN_MS``) or
-    too small a gain (``BESIDE_MIN_GAIN``): every call alone. ``--wide-lone-beside always|never``
-    decides without measuring."""
+    three full batches alone against the best of three rounds of N at once (onnxruntime: on the one
+    session, whose threads they share). Too light (``BESIDE_MIN_MS``) or too small a gain
+    (``BESIDE_MIN_GAIN``): every call alone. ``--wide-lone-beside always|never`` decides without
+    measuring. The reason is kept in ``RoutingState.why`` for the start-up line."""
     state, n = model.routing, settings.concurrent_batches
     if settings.wide_lone_beside != "auto":
-        log(f"{model.name}: full {state.plain} batches at load run "
-            f"{'beside each other' if settings.wide_lone_beside == 'always' else 'one at a time, alone'} "
-            f"(--wide-lone-beside {settings.wide_lone_beside})")
+        state.why = f"--wide-lone-beside {settings.wide_lone_beside}"
         return settings.wide_lone_beside == "always"
     spec = model.backend.functions[state.plain]
     rows = random_rows(spec, size, rng, model.vocab_size)
-    threads = total_threads(settings)
 
     def alone() -> float:
         start = time.perf_counter()
@@ -207,20 +236,16 @@ def _beside_pays(model: ServedModel, settings: Settings, size: int, rng: np.rand
 
     one_ms = min(alone() for _ in range(2)) * 1000
     if one_ms < BESIDE_MIN_MS:
-        log(f"{model.name}: every {state.plain} call runs alone, on the routing graph with {threads} intra-op "
-            f"threads (a batch of {size} takes {one_ms:.1f} ms, under {BESIDE_MIN_MS:g})")
+        state.why = f"a batch of {size} takes {one_ms:.1f} ms, too short to share the cores"
+        log(f"{model.name}: {state.why}")
         return False
     one_ms = min([one_ms] + [alone() * 1000 for _ in range(1)])
     n_ms = min(beside() for _ in range(3)) * 1000
     gain = n * one_ms / n_ms
-    if gain < BESIDE_MIN_GAIN:
-        log(f"{model.name}: every {state.plain} call runs alone, on the routing graph with {threads} intra-op threads "
-            f"({n} batches of {size} beside each other serve {gain:.2f}x the images/s of one at a time, under "
-            f"{BESIDE_MIN_GAIN})")
-        return False
-    log(f"{model.name}: full {state.plain} batches run beside each other at load ({n} batches of {size} at once serve "
-        f"{gain:.2f}x the images/s of one at a time: {n_ms:.0f} vs {one_ms:.0f} ms each)")
-    return True
+    state.why = (f"{n} batches of {size} at once serve {gain:.2f}x the images/s of one at a time, measured at "
+                 f"start-up: {n_ms:.0f} vs {one_ms:.0f} ms a batch")
+    log(f"{model.name}: {state.why}")
+    return gain >= BESIDE_MIN_GAIN
 
 
 def candidate_shapes(max_batch_size: int) -> list[int]:

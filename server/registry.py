@@ -39,6 +39,7 @@ class RoutingState:
     shared: bool = False  # a sampled call runs the routing graph alone (start-up proved it bitwise equal)
     lone: bool = False  # --wide-lone-batches: a call that runs alone runs the routing graph (when shared)
     beside: bool = True  # --wide-lone-batches: calls may run beside others (a full batch is long enough)
+    why: str = ""  # why calls run alone or beside (start-up's measurement or the flag), for the start-up line
     calls: int = 0
     series: dict[str, Any] = field(default_factory=dict)  # the model's metric children
 

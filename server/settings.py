@@ -79,18 +79,17 @@ class Settings(BaseSettings):
     wide_lone_batches: bool = Field(
         True,
         description="with --concurrent-batches N > 1 on onnxruntime on cpu: a batch that would run alone (no other "
-        "call running, nothing more waiting) runs on a second session with every intra-op thread (a Soft MoE image "
-        "model's routing graph, proven bitwise equal at start-up: no extra copy of the weights), and nothing starts "
-        "beside it; batches at load run N at once, each with 1/N of the threads. A lone request keeps its latency and "
-        "saturation gets the throughput of N batches at once. Functions without a routing graph always run alone, "
-        "with every thread; off: every call has 1/N of the threads",
+        "call running, nothing more waiting) runs with every intra-op thread, and nothing starts beside it; full "
+        "batches at load run N at once on the same session, sharing its threads, where start-up measures that this "
+        "pays (--wide-lone-beside). A Soft MoE image model is served by its routing graph's one session (one copy "
+        "of the weights). Functions without a routing graph always run alone, with every thread; off: every call "
+        "has 1/N of the threads",
     )
     wide_lone_beside: Literal["auto", "always", "never"] = Field(
         "auto",
-        description="--wide-lone-batches: whether full batches at load run beside each other (1/N of the threads "
-        "each) or one at a time on every thread; auto: measured at start-up on the model's largest batch, beside "
-        "where that serves 1.04x or more and a batch takes 20 ms or more (soft-s16-e128 on 2 CPUs: batch 8 beside, "
-        "batch 32 and digits alone)",
+        description="--wide-lone-batches: whether full batches at load run beside each other (sharing the session's "
+        "threads) or one at a time on every thread; auto: measured at start-up on the model's largest batch, beside "
+        "where that serves 1.04x or more and a batch takes 20 ms or more",
     )
     decode_workers: int = Field(2, ge=1, description="threads decoding and preprocessing images")
     decode_nice: int = Field(

@@ -16,6 +16,8 @@ import numpy as np
 from export.onnx import read_metadata
 from export.runtime import ort_session
 
+from softmoe_models.routing import OUTPUTS as ROUTING_OUTPUTS
+
 from .base import ROUTING, FunctionSpec, InputSpec, Rows, all_functions, warm
 
 ROLE_TO_FN = {"classifier": "classify", "image": "image", "text": "text", "encoder": "encoder", "routing": ROUTING}
@@ -33,11 +35,13 @@ def cache_root(cache_dir: str) -> Path:
 # 3: token means (gap pooling) as MatMuls, so batch shape 1 is provable (export/onnx.py).
 GRAPH_FORMAT = 3
 
-# Packages whose weights are at least this large are exported in a child process: exporting and
-# verifying soft-s16-e128 (3.5 GB) in the server's own process left it about 4 GB larger for
-# its whole life (the exporter's and verifier's buffers stay in the allocator's arenas). Smaller
-# ones are exported in-process: a child costs a few seconds of imports and saves nothing.
-EXPORT_IN_CHILD_BYTES = 256 << 20
+# Packages whose weights are at least this large are exported in a child process: all of them, so
+# that a first start ends where a cached one does. Exporting in the server's own process left it
+# larger for its whole life: the exporter's imports and buffers stay in the allocator's arenas
+# (digits: 487 MB resident after a first start, 296 MB after a cached one; soft-s16-e128, 3.5 GB of
+# weights: about 4 GB more). The child costs a first start a few seconds of imports.
+# loadtests/export_memory.py compares the two ways by setting it.
+EXPORT_IN_CHILD_BYTES = 0
 
 
 def exported_files(package: Path, cache_dir: str, precision: str, log=print, device: str = "cpu",
@@ -151,11 +155,11 @@ class OnnxRuntimeBackend:
                 ``max_batch_size`` (one captured shape per session).
             strict_placement: on cuda, refuse a graph with any node on the CPU EP.
             routing: also load the routing graph (``M.routing.onnx`` beside ``M.onnx`` or
-                ``M.image.onnx``, or given in ``files``) as the routing function.
+                ``M.image.onnx``, or given in ``files``) as the routing function; its session
+                serves the image function too (outside ORT's CUDA-graph mode).
             lone_threads: on cpu, wide lone calls (``--wide-lone-batches``): the intra-op threads
-                of every session that runs alone (the routing graph, and each function without one),
-                while the image function that has a routing graph keeps ``threads``, to run beside
-                other calls (``narrow`` names it). 0: every session has ``threads``.
+                of every session (0: ``threads``); the image function that has a routing graph may
+                also run beside other calls on it (``narrow`` names it).
         """
         import onnxruntime as ort
 
@@ -174,11 +178,19 @@ class OnnxRuntimeBackend:
         self._graph_runners: dict = {}
         self.routing: FunctionSpec | None = None
         files = [Path(f) for f in files]
-        # Graphs with a routing sibling: their sessions run beside other calls under lone_threads.
-        partnered = {f for f in files if routing and _routing_sibling(f) is not None}
+        given = list(files)  # the functions keep the order of their files
+        # A graph with a routing sibling is served by the sibling's session, which computes the same
+        # outputs and the routing ones besides: one copy of the weights per process, for about 2.5%
+        # more per call (docs/design.md, "Weights held once"). Under ORT's CUDA-graph mode each graph
+        # keeps its own session (one captured graph per session).
+        partnered = {f: _routing_sibling(f) for f in files if routing and _routing_sibling(f) is not None}
+        shared = bool(partnered) and not self.cuda_graph
         if routing:
-            files += [r for r in map(_routing_sibling, files) if r is not None and r not in files]
-        self.narrow: set[str] = set()  # functions whose sessions have a share of the threads (lone_threads)
+            files = [f for f in files if not (shared and f in partnered)]
+            files += [r for r in partnered.values() if r not in files]
+        # Functions that run beside other calls under lone_threads: each image function with a routing graph.
+        self.narrow: set[str] = set()
+        sources: dict[str, Path] = {}  # function -> the file it was exported to
         for path in files:
             meta = read_metadata(path)
             fn = ROLE_TO_FN.get(meta.get("graph", ""))
@@ -193,17 +205,19 @@ class OnnxRuntimeBackend:
                 sess = ort_session(path, threads=n or None, providers=["CPUExecutionProvider"], spin=spin)
                 if lone_threads and path in partnered:
                     self.narrow.add(fn)
-            self.sessions[fn] = sess
-            self.metadata[fn] = meta
-            inputs = tuple(
-                InputSpec(i.name, tuple(int(d) for d in i.shape[1:]), np.dtype(np.int64 if "int64" in i.type else np.float32))
-                for i in sess.get_inputs()
-            )
-            spec = FunctionSpec(inputs, tuple(o.name for o in sess.get_outputs()))
-            if fn == ROUTING:
-                self.routing = spec
-            else:
-                self.functions[fn] = spec
+            self._add(fn, sess, meta)
+            sources[fn] = path
+        for plain in partnered if shared else ():
+            meta = read_metadata(plain)
+            fn = ROLE_TO_FN.get(meta.get("graph", ""))
+            if fn is not None and fn != ROUTING and ROUTING in self.sessions:
+                self._add(fn, self.sessions[ROUTING], meta,
+                          outputs=tuple(o for o in self.routing.outputs if o not in ROUTING_OUTPUTS))
+                sources[fn] = plain
+                if lone_threads:
+                    self.narrow.add(fn)
+        self.functions = dict(sorted(self.functions.items(),
+                                     key=lambda kv: given.index(sources[kv[0]]) if sources[kv[0]] in given else len(given)))
         self._specs = all_functions(self)
         self.providers = {fn: s.get_providers() for fn, s in self.sessions.items()}
         self.precision = ",".join(sorted({m.get("precision", "fp32") for m in self.metadata.values()})) or "fp32"
@@ -211,6 +225,20 @@ class OnnxRuntimeBackend:
         if device == "cuda":
             ids = {s.get_provider_options().get(CUDA_EP, {}).get("device_id", "0") for s in self.sessions.values()}
             self.device_used = ",".join(f"cuda:{i}" for i in sorted(ids)) or "cuda"
+
+    def _add(self, fn: str, sess, meta: dict, outputs: tuple[str, ...] | None = None) -> None:
+        """Serve ``fn`` from ``sess``: all its outputs, or ``outputs`` of them."""
+        self.sessions[fn] = sess
+        self.metadata[fn] = meta
+        inputs = tuple(
+            InputSpec(i.name, tuple(int(d) for d in i.shape[1:]), np.dtype(np.int64 if "int64" in i.type else np.float32))
+            for i in sess.get_inputs()
+        )
+        spec = FunctionSpec(inputs, outputs or tuple(o.name for o in sess.get_outputs()))
+        if fn == ROUTING:
+            self.routing = spec
+        else:
+            self.functions[fn] = spec
 
     def run(self, fn: str, inputs: Rows) -> Rows:
         try:

@@ -31,10 +31,10 @@ def _logits(files: list[Path]) -> np.ndarray:
 
 
 def test_child_export_is_the_in_process_export(monkeypatch, pkg, tmp_path):
-    inproc = ob.exported_files(pkg, str(tmp_path / "a"), "fp32", **QUIET)
-    monkeypatch.setattr(ob, "EXPORT_IN_CHILD_BYTES", 0)
     lines: list[str] = []
-    child = ob.exported_files(pkg, str(tmp_path / "b"), "fp32", log=lines.append)
+    child = ob.exported_files(pkg, str(tmp_path / "b"), "fp32", log=lines.append)  # every export: in a child
+    monkeypatch.setattr(ob, "EXPORT_IN_CHILD_BYTES", 1 << 62)
+    inproc = ob.exported_files(pkg, str(tmp_path / "a"), "fp32", **QUIET)
     assert any("in a child process" in line for line in lines), lines
     assert [f.name for f in child] == [f.name for f in inproc]
     assert (child[0].parent / "model.routing.onnx").is_file()  # the routing graph too
@@ -45,8 +45,7 @@ def test_child_export_is_the_in_process_export(monkeypatch, pkg, tmp_path):
     assert not any("exporting" in line for line in again), again
 
 
-def test_child_errors_come_back_as_they_are(monkeypatch, pkg, tmp_path):
-    monkeypatch.setattr(ob, "EXPORT_IN_CHILD_BYTES", 0)
+def test_child_errors_come_back_as_they_are(pkg, tmp_path):
     with pytest.raises(ExportError, match="unsupported opset 3"):
         ob._export_in_child(pkg, tmp_path / "model.onnx", {"opset": 3})
 

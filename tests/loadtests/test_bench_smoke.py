@@ -41,6 +41,9 @@ KEYS = (
     "concurrent_batches_throughput_ratio", "concurrent_batches_c1_p50_ratio",
     # --ort-spinning run vs off: the backend alone, then serving
     "spin_backend_b1_speedup", "spin_backend_bmax_speedup", "spin_saturation_ratio", "spin_c1_p50_ratio",
+    # resident memory of the server's processes over the weights' bytes
+    "rss_over_weights", "rss_over_weights_first", "rss_over_weights_cached", "one_session_cost_b1",
+    "one_session_cost_b8",
     # routing statistics on vs off
     "routing_stats_on_vs_off", "routing_stats_on_vs_off_paired", "routing_stats_every_call_vs_off",
     # the run

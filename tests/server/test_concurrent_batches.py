@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import threading
 
 import numpy as np
@@ -291,15 +292,31 @@ def _intra_threads(session) -> int:
 
 
 @pytest.mark.parametrize("wide", [True, False])
-def test_wide_lone_sessions_split_the_threads(packages, tmp_path, wide):
-    # The classifier's own session runs beside (1 of 2 threads); its routing graph's runs alone (2).
+def test_one_session_holds_the_weights_and_serves_both(packages, tmp_path, wide):
+    # The classifier is served by its routing graph's session (one copy of the weights): every thread
+    # under --wide-lone-batches, where calls at load run beside each other on it; else a share.
     settings = Settings(concurrent_batches=2, threads=2, max_batch_size=4, cache_dir=str(tmp_path),
                         wide_lone_batches=wide)
     model = load_served_model(f"golden={packages['golden']}", settings, log=lambda m: None)
     try:
         sessions = model.backend.sessions
-        assert (_intra_threads(sessions["classify"]), _intra_threads(sessions["routing"])) == ((1, 2) if wide else (1, 1))
+        assert sessions["classify"] is sessions["routing"]
+        assert _intra_threads(sessions["routing"]) == (2 if wide else 1)
         assert model.backend.narrow == ({"classify"} if wide else set())
+        assert model.backend.functions["classify"].outputs == ("logits", "pre_logits")
+        rows = {"pixel_values": np.random.default_rng(0).uniform(-1, 1, (4, 3, 32, 32)).astype(np.float32)}
+        plain, routing = model.backend.run("classify", rows), model.backend.run("routing", rows)
+        assert plain.keys() == {"logits", "pre_logits"} and "dispatch_entropy" in routing
+        assert all(np.array_equal(plain[k], routing[k]) for k in plain)
+    finally:
+        model.backend.close()
+
+
+def test_without_routing_the_plain_graph_has_its_own_session(packages, tmp_path):
+    settings = Settings(max_batch_size=4, cache_dir=str(tmp_path), routing=False)
+    model = load_served_model(f"golden={packages['golden']}", settings, log=lambda m: None)
+    try:
+        assert set(model.backend.sessions) == {"classify"} and model.backend.routing is None
     finally:
         model.backend.close()
 
@@ -334,8 +351,8 @@ def test_wide_lone_plan_after_the_proof(packages, tmp_path):
         assert queue.plan(False)  # not proven yet: beside, on the classify session
         lines = []
         assert prove_routing(model, settings, log=lines.append)
-        assert any("runs alone runs the routing graph with 2 intra-op threads, beside others the plain graph "
-                   "with 1" in line for line in lines), lines
+        assert lines == ["golden: the routing function's classify outputs are the plain one's, bitwise, at [4]"], lines
+        assert state.why == "--wide-lone-beside always"
         rows = {"pixel_values": np.random.default_rng(0).uniform(-1, 1, (4, 3, 32, 32)).astype(np.float32)}
         want = model.backend.run("classify", rows)
         state.calls = 0
@@ -353,11 +370,12 @@ def test_wide_lone_plan_after_the_proof(packages, tmp_path):
         model.backend.close()
 
 
-@pytest.mark.parametrize("beside,want", [("auto", "takes"), ("never", "one at a time, alone (--wide-lone-beside never)")])
+@pytest.mark.parametrize("beside,want", [("auto", r"a batch of 4 takes [0-9.]+ ms, too short to share the cores"),
+                                         ("never", "--wide-lone-beside never")])
 def test_a_light_model_runs_every_call_alone(packages, tmp_path, beside, want):
     # The golden model's batch of 4 takes about a millisecond: under the 20 ms where running beside
     # pays, so auto measures no further.
-    from server.proofs import BESIDE_MIN_MS, prove_routing
+    from server.proofs import prove_routing, serving_line
 
     settings = Settings(concurrent_batches=2, threads=2, max_batch_size=4, cache_dir=str(tmp_path),
                         wide_lone_beside=beside)
@@ -367,8 +385,8 @@ def test_a_light_model_runs_every_call_alone(packages, tmp_path, beside, want):
         lines = []
         assert prove_routing(model, settings, log=lines.append)
         assert model.routing.shared and not model.routing.beside
-        line = next(x for x in lines if "alone" in x)
-        assert want in line and (beside != "auto" or f"under {BESIDE_MIN_MS:g})" in line), lines
+        assert re.fullmatch(want, model.routing.why), model.routing.why
+        assert serving_line(model, settings).endswith(f"; every batch alone with 2 intra-op threads ({model.routing.why})")
     finally:
         model.backend.close()
 

@@ -1,0 +1,49 @@
+"""Start-up says how each model is served, in one line a person can read: backend, device and
+precision, the padded shapes, the threads, and whether calls run alone or beside each other, and
+why. The proofs' own lines go to the debug log."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from server.settings import Settings
+
+SHAPES = r"padded shapes (?:[1248], )*8 \(proven bitwise equal to 8\)"
+
+
+def _start(caplog, **settings) -> list[str]:
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="softmoe"):
+        with TestClient(create_app(Settings(**settings))):
+            pass
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+
+
+@pytest.mark.parametrize("settings, want", [
+    ({}, rf"onnxruntime on cpu \(fp32\); {SHAPES}; every batch alone with 2 intra-op threads "
+         r"\(a batch of 8 takes [0-9.]+ ms, too short to share the cores\)"),
+    ({"backend": "torch"}, rf"torch on cpu \(fp32\); {SHAPES}; one batch at a time with 2 intra-op threads"),
+    ({"strict_determinism": False, "concurrent_batches": 1},
+     r"onnxruntime on cpu \(fp32\); batches of 1 to 8 as they come \(--no-strict-determinism\); one batch at a time "
+     r"with 2 intra-op threads"),
+    ({"wide_lone_batches": False, "concurrent_batches": 2},
+     rf"onnxruntime on cpu \(fp32\); {SHAPES}; 2 batches at once, 1 of the 2 intra-op threads each"),
+])
+def test_one_line_per_model(caplog, settings, want):
+    lines = _start(caplog, threads=2, **settings)
+    for name in ("digits", "digits-lit"):
+        mine = [line for line in lines if line.startswith(f"{name}: ")]
+        assert len(mine) == 1, lines
+        assert re.fullmatch(rf"{name}: {want}", mine[0]), mine[0]
+
+
+def test_the_proofs_speak_at_debug(caplog):
+    _start(caplog, threads=2)
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any(line.startswith("digits/classify: padded shapes proven bitwise equal to 8") for line in debug), debug
+    assert any("routing function's classify outputs are the plain one's, bitwise" in line for line in debug), debug
