@@ -2,7 +2,8 @@
 
 Tensors: ``pixel_values`` (FP32, NCHW, the model's input range) -> ``logits`` (+ ``pre_logits``)
 for classifiers; two-tower ``pixel_values`` -> ``image_embeds``, ``input_ids`` (INT32 or INT64)
--> ``text_embeds``. With ``--pixel-transfer uint8`` the image input is ``pixels`` (UINT8, NHWC RGB
+-> ``text_embeds``, or ``text`` (BYTES: UTF-8 strings, shape ``[N]`` or ``[N, 1]``, tokenized here as
+/v1/embed does) -> ``text_embeds``. With ``--pixel-transfer uint8`` the image input is ``pixels`` (UINT8, NHWC RGB
 at the model's size) instead. Each row goes through the batcher on its own, so OIP requests get the same
 batching and determinism as the /v1 endpoints.
 """
@@ -46,10 +47,16 @@ _INPUTS = {
 }
 
 
+TEXT = "text"  # a two-tower model with a tokenizer takes strings (BYTES), as Triton users send them
+
+
 def _accepted(model) -> dict[str, tuple[str, tuple[str, ...]]]:
     functions = model.backend.functions
-    return {name: (fn, types) for name, (fn, types) in _INPUTS.get(model.kind, {}).items()
-            if fn in functions and any(s.name == name for s in functions[fn].inputs)}
+    out = {name: (fn, types) for name, (fn, types) in _INPUTS.get(model.kind, {}).items()
+           if fn in functions and any(s.name == name for s in functions[fn].inputs)}
+    if "input_ids" in out and model.tokenizer is not None:
+        out[TEXT] = ("text", ("BYTES",))
+    return out
 
 
 def _model(request: Request, name: str, version: str | None = None):
@@ -66,6 +73,8 @@ def _tensors(model) -> tuple[list[dict], list[dict]]:
     for fn, spec in model.backend.functions.items():
         for s in spec.inputs:
             ins.append({"name": s.name, "datatype": OIP_NAMES[np.dtype(s.dtype)], "shape": [-1, *s.shape]})
+        if fn == "text" and TEXT in _accepted(model):
+            ins.append({"name": TEXT, "datatype": "BYTES", "shape": [-1]})
         for o in spec.outputs:
             outs.append({"name": o, "datatype": "FP32", "shape": [-1, -1]})
     return ins, outs
@@ -212,19 +221,71 @@ def _array(t, binary: bytes, offset: int, limit: int) -> tuple[np.ndarray, int]:
     return arr.reshape(t.shape), offset
 
 
+def _strings(t, where: str, binary: bytes, offset: int, settings) -> tuple[list[str], int]:
+    """A BYTES input as texts: JSON strings, or Triton's binary form (a 4-byte little-endian length before
+    each element); each must be Unicode (UTF-8) within ``max_text_chars``: 400 naming the element otherwise."""
+    if len(t.shape) not in (1, 2) or (len(t.shape) == 2 and t.shape[1] != 1) or t.shape[0] == 0:
+        raise BadRequest(f"input {t.name!r} has shape {list(t.shape)}; expected [N] or [N, 1]", param=t.name)
+    count = t.shape[0]
+    if count > settings.max_texts_per_request:
+        raise Unprocessable(f"{count} texts in one request; the limit is {settings.max_texts_per_request}", param=t.name)
+    size = (t.parameters or {}).get("binary_data_size")
+    if size is not None:
+        if offset + size > len(binary):
+            raise BadRequest(f"input {t.name!r}: binary_data_size {size} exceeds the {len(binary) - offset} binary "
+                             "bytes left", param=t.name)
+        items, at, end = [], offset, offset + size
+        for j in range(count):
+            n = int.from_bytes(binary[at:at + 4], "little") if at + 4 <= end else -1
+            if n < 0 or at + 4 + n > end:
+                raise BadRequest(f"{where}.data.{j}: the element overruns binary_data_size {size}", param=f"{where}.data.{j}")
+            items.append(binary[at + 4:at + 4 + n])
+            at += 4 + n
+        if at != end:
+            raise BadRequest(f"input {t.name!r}: {end - at} bytes after {count} elements in binary_data_size {size}",
+                             param=t.name)
+        offset = end
+    elif t.data is None:
+        raise BadRequest(f"input {t.name!r} has no data", param=t.name)
+    else:
+        items = t.data
+        if len(items) == count and all(isinstance(x, list) and len(x) == 1 for x in items):
+            items = [x[0] for x in items]  # [[s], ...] for shape [N, 1]
+        if len(items) != count:
+            raise BadRequest(f"input {t.name!r}: {len(items)} values for shape {t.shape}", param=t.name)
+    texts = []
+    for j, x in enumerate(items):
+        param = f"{where}.data.{j}"
+        try:
+            text = x.decode("utf-8") if isinstance(x, bytes) else x.encode("utf-8").decode() if isinstance(x, str) else None
+        except UnicodeError:
+            raise BadRequest(f"{param}: text is not Unicode (UTF-8)", param=param) from None
+        if text is None:
+            raise BadRequest(f"{param}: a BYTES element must be a string, got {type(x).__name__}", param=param)
+        if len(text) > settings.max_text_chars:
+            raise Unprocessable(f"{param}: text of {len(text)} characters; the limit is {settings.max_text_chars}",
+                                param=param)
+        texts.append(text)
+    return texts, offset
+
+
 def _tensors_in(model, req: OIPInferRequest, binary: bytes, settings) -> list[tuple[str, str, np.ndarray]]:
     """Every input checked and converted (off the event loop): (function, name, array)."""
     accepted = _accepted(model)
     if not req.inputs:
         raise Unprocessable("no inputs given", param="inputs")
     out, offset, seen = [], 0, set()
-    for t in req.inputs:
+    for i, t in enumerate(req.inputs):
         if t.name not in accepted or t.name in seen:
             raise BadRequest(f"unexpected input {t.name!r}; model {model.name!r} takes {sorted(accepted)}", param=t.name)
         seen.add(t.name)
         fn, types = accepted[t.name]
         if t.datatype not in types:
             raise BadRequest(f"input {t.name!r} must be {' or '.join(types)}, got {t.datatype}", param=t.name)
+        if t.name == TEXT:
+            texts, offset = _strings(t, f"inputs.{i}", binary, offset, settings)
+            out.append((fn, "input_ids", model.tokenizer(texts)))
+            continue
         spec = next(s for s in model.backend.functions[fn].inputs if s.name == t.name)
         if len(t.shape) != 1 + len(spec.shape) or tuple(t.shape[1:]) != spec.shape or t.shape[0] == 0:
             raise BadRequest(f"input {t.name!r} has shape {list(t.shape)}; expected [N, {', '.join(map(str, spec.shape))}]",

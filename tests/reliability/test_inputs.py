@@ -432,6 +432,8 @@ LONE = "a\\ud800b"  # a JSON escape of a lone surrogate: valid JSON, not Unicode
     ("/v2/models/digits/infer", '{"inputs": [{"name": "x", "shape": [1], "datatype": "%s", "data": [0]}]}',
      "inputs.0.datatype"),
     ("/v2/models/digits/infer", '{"inputs": [], "outputs": [{"name": "%s"}]}', "outputs.0.name"),
+    ("/v2/models/digits-lit/infer", '{"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["ok", "%s"]}]}',
+     "inputs.0.data.1"),
 ])
 def test_a_lone_surrogate_in_a_text_field_is_400_naming_it(url, path, body, field):
     """JSON may carry ``"a\\ud800b"``; it is no Unicode text, and no tokenizer or encoder takes it."""

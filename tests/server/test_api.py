@@ -121,6 +121,59 @@ def test_embed_texts_with_tokenizer(client):
     assert np.array_equal(t[1], np.array(again))
 
 
+def _bytes_tensor(texts: list[str], shape: list[int]) -> tuple[dict, bytes]:
+    """Triton's binary BYTES form: each element as a 4-byte little-endian length and its UTF-8 bytes."""
+    data = b"".join(len(b).to_bytes(4, "little") + b for b in (t.encode() for t in texts))
+    return {"name": "text", "shape": shape, "datatype": "BYTES", "parameters": {"binary_data_size": len(data)}}, data
+
+
+def test_oip_text_as_bytes_is_what_embed_gives(client):
+    """A Triton user sends strings as BYTES: tokenized here, they give /v1/embed's text embeddings bit for bit."""
+    texts = ["a photo of a cat", "The Dog", "ünïcode ✓"]
+    want = np.array(client.post("/v1/embed", json={"model": "lit", "texts": texts}).json()["text_embeddings"], np.float32)
+    meta = {t["name"]: t for t in client.get("/v2/models/lit").json()["inputs"]}
+    assert meta["text"] == {"name": "text", "datatype": "BYTES", "shape": [-1]}
+    assert "text" not in {t["name"] for t in client.get("/v2/models/tt").json()["inputs"]}  # no tokenizer: ids only
+    for data, shape in ((texts, [3]), ([[t] for t in texts], [3, 1])):
+        r = client.post("/v2/models/lit/infer", json={"inputs": [{"name": "text", "shape": shape, "datatype": "BYTES",
+                                                                   "data": data}]})
+        assert r.status_code == 200, r.text
+        out = r.json()["outputs"][0]
+        assert out["name"] == "text_embeds" and out["shape"] == [3, 64]
+        assert np.array_equal(np.array(out["data"], np.float32).reshape(3, 64), want)
+    tensor, data = _bytes_tensor(texts, [3, 1])
+    head = json.dumps({"inputs": [tensor], "outputs": [{"name": "text_embeds", "parameters": {"binary_data": True}}]}).encode()
+    r = client.post("/v2/models/lit/infer", content=head + data,
+                    headers={"inference-header-content-length": str(len(head)), "content-type": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    n = int(r.headers["inference-header-content-length"])
+    assert np.array_equal(np.frombuffer(r.content[n:], "<f4").reshape(3, 64), want)
+
+
+@pytest.mark.parametrize("texts, raw, needle, param", [
+    (["ok", "bad"], b"\xff", "not Unicode", "inputs.0.data.1"),
+    (["ok"], None, "overruns", "inputs.0.data.0"),
+    ([["x", "y"]], None, "must be a string", "inputs.0.data.0"),
+    ([3], None, "must be a string", "inputs.0.data.0"),
+    (["x" * 1001], None, "limit is 1000", "inputs.0.data.0"),
+])
+def test_oip_text_errors_name_the_element(client, texts, raw, needle, param):
+    if raw is not None or needle == "overruns":
+        tensor, data = _bytes_tensor(texts, [len(texts)])
+        if raw is not None:  # the last element's bytes replaced by bytes that are no UTF-8
+            data = data[:-3] + b"\xff\xfe\xfd"
+        else:
+            data = data[:-1]
+            tensor["parameters"]["binary_data_size"] -= 1
+        head = json.dumps({"inputs": [tensor]}).encode()
+        r = client.post("/v2/models/lit/infer", content=head + data, headers={"inference-header-content-length": str(len(head))})
+    else:
+        r = client.post("/v2/models/lit/infer", json={"inputs": [{"name": "text", "shape": [len(texts)], "datatype": "BYTES",
+                                                                   "data": texts}]})
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["error"].startswith(f"{param}: ") and needle in r.json()["error"], r.text
+
+
 def test_zero_shot(client):
     imgs = [b64(b) for b in golden_pngs()[:2]]
     labels = ["cat", "dog", "car", "tree"]
