@@ -60,10 +60,13 @@ gpu-check:
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# System tools the tests use (Debian): Prometheus server + promtool for the real-Prometheus tests.
+# System tools the tests use (Debian): Prometheus server + promtool for the real-Prometheus tests,
+# chromium and its driver for the page test (tests/server/test_page.py).
+SYSDEPS := prometheus chromium chromium-driver
 sysdeps:
-	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
+	@command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && \
+	  command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSDEPS) >/dev/null)
 
 # Locks and images (docs/gpu-stack.md). `lock` regenerates requirements/*.lock and constraints.txt;
 # `base-image` makes softmoe-base/debian:bookworm from Debian packages (no image registry needed);
