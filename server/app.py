@@ -92,8 +92,7 @@ class Observe:
 
     def __init__(self, app: ASGIApp, state, metrics: Metrics, settings: Settings) -> None:
         self.app, self.state, self.metrics, self.settings = app, state, metrics, settings
-        self.in_flight = 0
-        self.in_flight_bytes = 0
+        self.door: Door = state.door
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -136,17 +135,12 @@ class Observe:
             elif declared is not None and declared > settings.max_body_bytes:
                 await refuse(PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of "
                                              f"{settings.max_body_bytes} (max_body_bytes)"), "over_budget")
-            elif self.in_flight >= settings.max_in_flight:
-                await refuse(QueueFull(f"{settings.max_in_flight} requests in flight; try again shortly"),
-                             "too_many_requests")
-            elif self.in_flight_bytes + (declared or 0) > settings.max_in_flight_bytes:
-                await refuse(QueueFull(f"the requests in flight hold {self.in_flight_bytes} body bytes; this one "
-                                       f"needs {declared} more (max_in_flight_bytes "
-                                       f"{settings.max_in_flight_bytes}); try again shortly"), "body_budget")
+            elif (refusal := self.door.refusal(declared or 0)) is not None:
+                await refuse(*refusal)
             else:
                 admitted = True
                 reserved = declared or 0
-                self._take(1, reserved)
+                self.door.take(1, reserved)
             if admitted:
                 received = 0
                 waited = 0.0  # seconds spent waiting for this body's bytes: all a client is charged for
@@ -182,12 +176,12 @@ class Observe:
                                                   "bytes (max_body_bytes)")
                         if not exempt and received > reserved:  # a chunked body reserves as it arrives
                             more = received - reserved
-                            if self.in_flight_bytes + more > settings.max_in_flight_bytes:
+                            if self.door.in_flight_bytes + more > settings.max_in_flight_bytes:
                                 metrics.rejected.labels(DOOR, "body_budget").inc()
                                 raise QueueFull("the requests in flight hold too many body bytes "
                                                 f"(max_in_flight_bytes {settings.max_in_flight_bytes}); try again "
                                                 "shortly")
-                            self._take(0, more)
+                            self.door.take(0, more)
                             reserved += more
                     return message
 
@@ -204,7 +198,7 @@ class Observe:
                 await _ErrorJSON(_body(body, path), status_code=500)(scope, receive, send_wrapper)
         finally:
             if admitted and not exempt:
-                self._take(-1, -reserved)
+                self.door.take(-1, -reserved)
             context.request_id.reset(tokens[0])
             context.deadline.reset(tokens[1])
         if not exempt:
@@ -215,7 +209,29 @@ class Observe:
             metrics.request_duration.labels(seen["model"], endpoint, f"{status // 100}xx").observe(
                 time.perf_counter() - start)
 
-    def _take(self, requests: int, nbytes: int) -> None:
+
+class Door:
+    """The admission every protocol shares (HTTP here, gRPC in server.grpc_api): places for requests
+    in flight and the body bytes they hold, against ``max_in_flight`` and ``max_in_flight_bytes``.
+    One event loop: a check and its take, with no await between them, are atomic."""
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings, self.metrics = settings, metrics
+        self.in_flight = 0
+        self.in_flight_bytes = 0
+
+    def refusal(self, nbytes: int, place: bool = True) -> tuple[ServiceError, str] | None:
+        """Why a request of ``nbytes`` body bytes cannot come in now (the error, the reject reason), or
+        None; ``place=False``: its place is taken already, only the bytes are asked for."""
+        settings = self.settings
+        if place and self.in_flight >= settings.max_in_flight:
+            return QueueFull(f"{settings.max_in_flight} requests in flight; try again shortly"), "too_many_requests"
+        if self.in_flight_bytes + nbytes > settings.max_in_flight_bytes:
+            return QueueFull(f"the requests in flight hold {self.in_flight_bytes} body bytes; this one needs {nbytes} "
+                             f"more (max_in_flight_bytes {settings.max_in_flight_bytes}); try again shortly"), "body_budget"
+        return None
+
+    def take(self, requests: int, nbytes: int) -> None:
         self.in_flight += requests
         self.in_flight_bytes += nbytes
         self.metrics.in_flight.set(self.in_flight)
@@ -336,14 +352,16 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     app.state.settings, app.state.metrics = settings, metrics
     app.state.ready, app.state.draining = False, False
     app.state.models, app.state.batcher = {}, None
+    app.state.door = Door(settings, metrics)
     metrics.init_errors(ERROR_TYPES, STATUSES)
 
-    from .routes import oip, openai, routing, v1
+    from .routes import oip, openai, page, routing, v1
 
     app.include_router(v1.router)
     app.include_router(openai.router)
     app.include_router(oip.router)
     app.include_router(routing.router)
+    app.include_router(page.router)  # the page at `/`: it calls the public routes above, nothing of its own
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:
