@@ -77,7 +77,8 @@ class _Server:
         self.log_path = Path(tempfile.mkdtemp(prefix="softmoe-fe-bench-")) / "server.log"
         self._log = open(self.log_path, "wb")
         cmd = [sys.executable, "-m", "server", "serve", "--port", str(self.port), "--model",
-               f"digits={SHIPPED / 'digits'}", "--frontend-workers", str(workers), "--drain-seconds", "0", *extra]
+               f"digits={SHIPPED / 'digits'}", "--frontend-workers", str(workers), "--drain-seconds", "0", "--grpc-port", "0",
+               *extra]
         self.cmd = shlex.join(cmd)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

@@ -105,8 +105,11 @@ class ServerProcess:
     def __init__(self, extra_args: str, log_path: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        extra = shlex.split(extra_args)
+        self.grpc_port = free_port() if "--grpc-port" not in extra else None  # never the well-known 8001
         self.cmd = [sys.executable, "-m", "server", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-                    "--drain-seconds", "0", "--log-level", "warning", *shlex.split(extra_args)]
+                    "--drain-seconds", "0", "--log-level", "warning",
+                    *(["--grpc-port", str(self.grpc_port)] if self.grpc_port else []), *extra]
         self.log_path = log_path
         self._log = open(log_path, "wb")
         log("starting: " + " ".join(shlex.quote(c) for c in self.cmd))

@@ -27,7 +27,7 @@ REJECT_REASONS = (
     "draining",  # shutting down (503)
     "slow_client",  # a head past header_timeout_s, a body under min_body_rate or past the deadline (408)
 )
-ENDPOINTS = ("classify", "embed", "zero_shot", "embeddings", "oip_infer", "routing")
+ENDPOINTS = ("classify", "embed", "zero_shot", "embeddings", "oip_infer", "grpc_infer", "routing")
 # Normalised entropies lie in [0, 1] (1: uniform); trained Soft MoE routing sits mostly near the top.
 ENTROPY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
 DOOR = "none"  # the model label of refusals made before the model is known

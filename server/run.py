@@ -3,7 +3,7 @@
 Start-up happens before uvicorn takes over, in this order, and any failure is a
 :class:`StartupError` (one line for the user; the traceback is logged at debug level):
 
-1. bind the port (``--port`` in use fails here, before minutes of loading);
+1. bind the port (``--port`` in use fails here, before minutes of loading), and ``--grpc-port``;
 2. check the backend and device can run at all (onnxruntime installed, a CUDA device, ...);
 3. load every model (:func:`server.registry.load_served_model`);
 4. the app's lifespan (queues, batcher, warm-up of every batch shape), entered here rather than
@@ -12,6 +12,10 @@ Start-up happens before uvicorn takes over, in this order, and any failure is a
 On SIGTERM/SIGINT: readiness turns false and new requests get 503 (Retry-After) for
 ``drain_seconds`` (so load balancers and Kubernetes endpoints stop sending), then uvicorn stops
 accepting, finishes the requests in flight (the batcher drains its queue), and the process exits.
+
+gRPC (``--grpc-port``, server.grpc_api) is served from the same event loop and app as HTTP once the
+lifespan is entered; on a signal it refuses new calls while HTTP drains (UNAVAILABLE) and lets the
+calls in flight finish before the lifespan ends.
 
 ``--frontend-workers N`` (N >= 2): this process binds the port and supervises one engine process
 (the models, the batcher) and N front-end processes serving the port (``_frontend_main``); see
@@ -98,10 +102,29 @@ async def _serve(server: DrainingServer, sock: socket.socket) -> None:
             log.debug("start-up failed", exc_info=True)
             raise StartupError(f"start-up failed: {describe(e)}") from None
         host, port = sock.getsockname()[:2]
+        grpc = await _start_grpc(app, server.config.timeout_graceful_shutdown)
         loop = type(asyncio.get_running_loop())
-        log.info("listening on http://%s:%d (event loop %s.%s, http %s)", f"[{host}]" if ":" in host else host, port,
-                 loop.__module__, loop.__name__, _http_parser(server.config.http))
-        await server.serve(sockets=[sock])
+        log.info("listening on http://%s:%d (event loop %s.%s, http %s)%s", f"[{host}]" if ":" in host else host, port,
+                 loop.__module__, loop.__name__, _http_parser(server.config.http),
+                 f", grpc on port {grpc.port}" if grpc else "")
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if grpc:
+                await grpc.stop(server.config.timeout_graceful_shutdown)
+
+
+async def _start_grpc(app, grace: float, reuse_port: bool = False):
+    """The gRPC server on ``--grpc-port`` (None when 0)."""
+    settings = app.state.settings
+    if not settings.grpc_port:
+        return None
+    from .grpc_api.service import start
+
+    try:
+        return await start(app, settings.host, settings.grpc_port, reuse_port=reuse_port)
+    except OSError as e:
+        raise StartupError(f"--grpc-port {settings.grpc_port}: {e} (0 turns gRPC off)") from None
 
 
 def _server(app, settings: Settings) -> DrainingServer:
@@ -148,6 +171,12 @@ def serve(settings: Settings) -> None:
     logging.basicConfig(level=uvicorn.config.LOG_LEVELS[settings.log_level.lower()], stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = bind_socket(settings.host, settings.port)
+    if settings.grpc_port:  # taken now, as --port is, so a busy port fails before the models load
+        try:
+            bind_socket(settings.host, settings.grpc_port).close()
+        except StartupError as e:
+            sock.close()
+            raise StartupError(f"--grpc-port: {e} (0 turns gRPC off)") from None
     try:
         if settings.frontend_workers >= 2:  # N front-end processes and one engine process
             from .batching.supervisor import Supervisor
@@ -239,5 +268,11 @@ async def _serve_frontend(settings: Settings, index: int, sock: socket.socket, p
         except Exception as e:
             log.debug("front end %d: start-up failed", index, exc_info=True)
             raise StartupError(f"front end {index}: start-up failed: {describe(e)}") from None
+        # Every front end serves gRPC on the port too, the kernel spreading connections (SO_REUSEPORT).
+        grpc = await _start_grpc(app, server.config.timeout_graceful_shutdown, reuse_port=True)
         tell(report, ("ready", os.getpid()))
-        await server.serve(sockets=[sock])
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if grpc:
+                await grpc.stop(server.config.timeout_graceful_shutdown)

@@ -42,6 +42,11 @@ class Settings(BaseSettings):
     )
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
+    grpc_port: int = Field(
+        8001, ge=0, le=65535,
+        description="port of the Open Inference Protocol over gRPC (KServe v2; tritonclient.grpc) and the "
+        "grpc.health.v1 service, as Triton's; 0: no gRPC",
+    )
     max_batch_size: int = Field(8, ge=1, le=1024, description="images (or texts) per backend call")
     max_delay_ms: float = Field(5.0, ge=0, le=10_000, description="how long a batch waits to fill")
     eager_batching: bool = Field(

@@ -3,6 +3,7 @@ converter, a SentencePiece tokenizer trained here."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 GOLDEN = SHARED / "golden" / "vmoe"
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/helpers importable
+# Servers the tests start (`softmoe serve` subprocesses inherit this) serve no gRPC unless a test
+# gives them a free --grpc-port: several run at once, and none may take the well-known 8001.
+os.environ.setdefault("SOFTMOE_GRPC_PORT", "0")
 
 
 def golden_npz(name: str) -> dict[str, np.ndarray]:

@@ -60,15 +60,19 @@ def _accepted(model) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def _model(request: Request, name: str, version: str | None = None):
-    model = request.app.state.models.get(name)
+    return served_model(request.app.state.models, name, version)
+
+
+def served_model(models: dict, name: str, version: str | None = None):
+    model = models.get(name)
     if model is None:
-        raise NotFound(f"model {name[:100]!r} is not served; served: {sorted(request.app.state.models)}")
+        raise NotFound(f"model {name[:100]!r} is not served; served: {sorted(models)}")
     if version not in (None, "", "1"):
         raise NotFound(f"model {name!r} has no version {version[:40]!r}; it has version '1'")
     return model
 
 
-def _tensors(model) -> tuple[list[dict], list[dict]]:
+def tensors_of(model) -> tuple[list[dict], list[dict]]:
     ins, outs = [], []
     for fn, spec in model.backend.functions.items():
         for s in spec.inputs:
@@ -108,7 +112,7 @@ async def ready(request: Request):
             include_in_schema=False)
 async def model_metadata(request: Request, model_name: str, version: str | None = None):
     model = _model(request, model_name, version)
-    ins, outs = _tensors(model)
+    ins, outs = tensors_of(model)
     # parameters: what actually runs (the provider ONNX Runtime really uses, not what was asked for).
     return {"name": model.name, "versions": ["1"], "platform": f"softmoe_{model.backend.name}", "inputs": ins,
             "outputs": outs, "parameters": {**model.backend.describe(), **batching_parameters(model, request.app.state.settings)}}
@@ -147,13 +151,18 @@ def _parse_body(raw: bytes, header_len: str | None) -> tuple[OIPInferRequest, by
     payload = loads(head)
     if not isinstance(payload, dict):
         raise Unprocessable("request body must be a JSON object")
+    return request_from(payload), binary
+
+
+def request_from(payload: dict) -> OIPInferRequest:
+    """An inference request checked field by field (HTTP's JSON, gRPC's message): 400 naming the field."""
     try:
         req = OIPInferRequest.model_validate(payload)
     except ValidationError as e:
         err = validation_error(e)
         raise BadRequest(err.message, param=err.param) from None  # OIP: a malformed request is 400
     _check_parameters(req)
-    return req, binary
+    return req
 
 
 def _flag(params: dict | None, key: str, where: str, default: bool = False) -> bool:
@@ -269,7 +278,7 @@ def _strings(t, where: str, binary: bytes, offset: int, settings) -> tuple[list[
     return texts, offset
 
 
-def _tensors_in(model, req: OIPInferRequest, binary: bytes, settings) -> list[tuple[str, str, np.ndarray]]:
+def tensors_in(model, req: OIPInferRequest, binary: bytes, settings) -> list[tuple[str, str, np.ndarray]]:
     """Every input checked and converted (off the event loop): (function, name, array)."""
     accepted = _accepted(model)
     if not req.inputs:
@@ -318,33 +327,23 @@ async def infer(request: Request, model_name: str, version: str | None = None):
 
     def parse() -> tuple[OIPInferRequest, list[tuple[str, str, np.ndarray]]]:
         req, binary = _parse_body(raw, request.headers.get(BINARY_HEADER))
-        return req, _tensors_in(model, req, binary, svc.settings)
+        return req, tensors_in(model, req, binary, svc.settings)
 
     req, tensors = await asyncio.to_thread(parse)
     timings = Timings()
-    outputs: dict[str, np.ndarray] = {}
-    for fn, name, arr in tensors:
-        results = await svc.run(model, fn, [{name: r} for r in arr], timings, request.receive, param=name)
-        for out_name in model.backend.functions[fn].outputs:
-            outputs[out_name] = np.stack([r.outputs[out_name] for r in results]).astype(np.float32)
-    wanted = [o.name for o in req.outputs] if req.outputs else list(outputs)
-    missing = [n for n in wanted if n not in outputs]
-    if missing:
-        raise BadRequest(f"requested output(s) {missing} not computed from the given inputs; available {sorted(outputs)}")
+    outputs, classes = await compute(svc, model, req, tensors, timings, request.receive)
     svc.finish(model, "oip_infer", timings, time.perf_counter(), t0)
     binary_all = _flag(req.parameters, "binary_data_output", "request")
     binary_names = {o.name for o in (req.outputs or []) if _flag(o.parameters, "binary_data", "outputs", binary_all)}
     if not req.outputs and binary_all:
-        binary_names = set(wanted)
+        binary_names = set(outputs)
     body = {"model_name": model.name, "model_version": "1", "outputs": []}
     if req.id is not None:
         body["id"] = req.id
-    classes = {o.name: _count(o.parameters, "classification", "outputs", 0, 1_000_000) or 0 for o in (req.outputs or [])}
     chunks = []
-    for name in wanted:
-        arr = outputs[name]
+    for name, arr in outputs.items():
         if classes.get(name):
-            tensor, data = _classification(arr, classes[name], model.labels, name in binary_names)
+            tensor, data = classification(arr, classes[name], model.labels, name in binary_names)
             tensor["name"] = name
         else:
             tensor = {"name": name, "datatype": "FP32", "shape": list(arr.shape)}
@@ -363,11 +362,29 @@ async def infer(request: Request, model_name: str, version: str | None = None):
     return JSONResponse(body, headers=headers)
 
 
+async def compute(svc, model, req: OIPInferRequest, tensors: list[tuple[str, str, np.ndarray]], timings: Timings,
+                  receive=None) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """Run checked inputs through the model's queues (every row on its own, as /v1 does): the wanted
+    outputs, in the order asked for (else every computed one), and the top-k count of each output
+    asked for as a classification (0: the tensor itself). Shared by HTTP and gRPC."""
+    outputs: dict[str, np.ndarray] = {}
+    for fn, name, arr in tensors:
+        results = await svc.run(model, fn, [{name: r} for r in arr], timings, receive, param=name)
+        for out_name in model.backend.functions[fn].outputs:
+            outputs[out_name] = np.stack([r.outputs[out_name] for r in results]).astype(np.float32)
+    wanted = [o.name for o in req.outputs] if req.outputs else list(outputs)
+    missing = [n for n in wanted if n not in outputs]
+    if missing:
+        raise BadRequest(f"requested output(s) {missing} not computed from the given inputs; available {sorted(outputs)}")
+    classes = {o.name: _count(o.parameters, "classification", "outputs", 0, 1_000_000) or 0 for o in (req.outputs or [])}
+    return {n: outputs[n] for n in wanted}, classes
+
+
 def _vocab(model) -> int:
     return model.vocab_size or 2**31 - 1
 
 
-def _classification(arr: np.ndarray, k: int, labels: list[str] | None, binary: bool) -> tuple[dict, bytes | None]:
+def classification(arr: np.ndarray, k: int, labels: list[str] | None, binary: bool) -> tuple[dict, bytes | None]:
     """Triton's classification extension: top-k ``"<score>:<index>[:<label>]"`` strings (BYTES)."""
     if arr.ndim != 2 or k < 1:
         raise BadRequest("classification needs a 2-D output and a positive class count")

@@ -27,7 +27,7 @@ SOFTMOE = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "serve
 
 def _clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("SOFTMOE_")}
-    return {**env, **extra}
+    return {**env, "SOFTMOE_GRPC_PORT": "0", **extra}  # no test takes the well-known gRPC port
 
 
 def softmoe(*args: str, env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:

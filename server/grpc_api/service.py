@@ -1,0 +1,376 @@
+"""OIP v2 over gRPC: the same models, admission, budgets, deadlines, batcher and metrics as HTTP.
+
+``start(app, settings)`` runs a ``grpc.aio`` server on the app's event loop, serving
+``inference.GRPCInferenceService`` (ServerLive, ServerReady, ModelReady, ServerMetadata,
+ModelMetadata, ModelInfer, RepositoryIndex) and ``grpc.health.v1.Health``. A call goes through
+what an HTTP request goes through, in the same order:
+
+- the door (``app.state.door``): one in-flight place per call, taken before its message is read,
+  then the message's bytes against ``max_in_flight_bytes``; draining refuses (UNAVAILABLE);
+- a message is at most ``max_body_bytes`` (gRPC's own limit: RESOURCE_EXHAUSTED above it) and is
+  read within the request's deadline (``request_timeout_s``, or the client's sooner deadline):
+  ModelInfer is served as a client stream of one message, which is the same bytes on the wire as a
+  unary call, so its reading is timed here rather than before the handler starts;
+- its tensors are checked by the HTTP route's code (server.routes.oip) and run through the
+  model's queues row by row, so a result is bitwise what HTTP gives;
+- request ids come from ``x-request-id`` metadata or are made, and go back in the initial
+  metadata; per-stage times (``x-inference-time`` ...) and ``retry-after`` in the trailing metadata.
+
+Errors map from the HTTP status of the same refusal: 400/413/415/422 INVALID_ARGUMENT (the
+message names the field, as over HTTP), 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE,
+408/504 DEADLINE_EXCEEDED, 499 CANCELLED, anything else INTERNAL (its text only logged).
+
+Messages are built from ``oip.binpb`` (``oip.proto`` compiled) in a descriptor pool of their own,
+so a process that also imports tritonclient's copy of the same protocol has no clash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from importlib import resources
+
+import grpc
+import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+from google.protobuf.message import DecodeError
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from softmoe_models import __version__
+
+from .. import context
+from ..errors import BadRequest, RequestTimeout, ServiceError, Unavailable
+from ..routes import oip
+from ..service import Timings, is_ready
+
+log = logging.getLogger("softmoe.grpc")
+
+SERVICE = "inference.GRPCInferenceService"
+ENDPOINT = "grpc_infer"  # the images counter's endpoint label of gRPC ModelInfer (HTTP's: oip_infer)
+MESSAGES = ("ServerLiveRequest", "ServerLiveResponse", "ServerReadyRequest", "ServerReadyResponse",
+            "ModelReadyRequest", "ModelReadyResponse", "ServerMetadataRequest", "ServerMetadataResponse",
+            "ModelMetadataRequest", "ModelMetadataResponse", "ModelInferRequest", "ModelInferResponse",
+            "RepositoryIndexRequest", "RepositoryIndexResponse", "InferParameter")
+CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.INVALID_ARGUMENT,
+         415: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+         429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+         408: grpc.StatusCode.DEADLINE_EXCEEDED, 504: grpc.StatusCode.DEADLINE_EXCEEDED,
+         499: grpc.StatusCode.CANCELLED}
+# Typed contents per datatype, for clients that send InferTensorContents instead of raw bytes.
+CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT8": "int_contents", "INT16": "int_contents",
+            "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+            "UINT32": "uint_contents", "UINT64": "uint64_contents", "BOOL": "bool_contents", "BYTES": "bytes_contents"}
+HEALTH_POLL_S = 0.25
+
+
+def messages() -> dict[str, type]:
+    """The protocol's message classes, from the compiled ``oip.proto``, in a pool of their own."""
+    files = descriptor_pb2.FileDescriptorSet.FromString(
+        resources.files(__package__).joinpath("oip.binpb").read_bytes())
+    pool = descriptor_pool.DescriptorPool()
+    for f in files.file:
+        pool.Add(f)
+    return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"inference.{name}"))
+            for name in MESSAGES}
+
+
+M = messages()
+
+
+class Call:
+    """What every RPC does around its handler: request id, deadline, the error mapping, metrics."""
+
+    def __init__(self, app, method: str) -> None:
+        self.app, self.method = app, method
+        self.state, self.settings, self.metrics = app.state, app.state.settings, app.state.metrics
+
+    def deadline(self, ctx: aio.ServicerContext, start: float) -> float:
+        left = ctx.time_remaining()
+        return start + min(self.settings.request_timeout_s, left if left is not None else float("inf"))
+
+    async def __call__(self, handler, request, ctx: aio.ServicerContext):
+        start = time.perf_counter()
+        given = dict(ctx.invocation_metadata() or ()).get("x-request-id", "")[:128]
+        rid = given if given and given.isprintable() else secrets.token_hex(16)
+        tokens = context.request_id.set(rid), context.deadline.set(self.deadline(ctx, start))
+        await ctx.send_initial_metadata((("x-request-id", rid),))
+        failure, status, model = None, 200, "none"
+        try:
+            response, model, trailing = await handler(request, ctx)
+            ctx.set_trailing_metadata(tuple(trailing.items()))
+            return response
+        except ServiceError as e:
+            failure, status = e, e.status
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except Exception:  # noqa: BLE001 - the text is logged with the request id, never sent
+            log.exception("unexpected error in %s (request id %s)", self.method, rid)
+            failure, status = ServiceError(f"internal error (request id {rid})"), 500
+        finally:
+            context.request_id.reset(tokens[0])
+            context.deadline.reset(tokens[1])
+            self.metrics.responses.labels(str(status)).inc()
+            self.metrics.request_duration.labels(model, self.method, f"{status // 100}xx").observe(
+                time.perf_counter() - start)
+        self.metrics.errors.labels(failure.type).inc()
+        retry = failure.headers.get("Retry-After")
+        ctx.set_trailing_metadata((("retry-after", retry),) if retry else ())
+        await ctx.abort(CODES.get(failure.status, grpc.StatusCode.INTERNAL), failure.message)
+
+
+def _parse(cls, raw: bytes):
+    try:
+        return cls.FromString(raw)
+    except DecodeError as e:
+        raise BadRequest(f"the request is not a valid {cls.DESCRIPTOR.full_name} message ({e})") from None
+
+
+def _parameter(p) -> object:
+    which = p.WhichOneof("parameter_choice")
+    return getattr(p, which) if which else None
+
+
+def _parameters(params) -> dict:
+    return {k: _parameter(v) for k, v in params.items()}
+
+
+def _set_parameter(target, value) -> None:
+    if isinstance(value, bool):
+        target.bool_param = value
+    elif isinstance(value, int):
+        target.int64_param = value
+    elif isinstance(value, float):
+        target.double_param = value
+    else:
+        target.string_param = str(value)
+
+
+class Servicer:
+    """The RPCs; each returns (response, model name for the metrics, trailing metadata)."""
+
+    def __init__(self, app) -> None:
+        self.app, self.state = app, app.state
+
+    # ---------------------------------------------------------------- health and metadata
+
+    async def server_live(self, request, ctx):
+        batcher = self.state.batcher
+        dead = batcher is not None and (batcher.dead or (self.state.ready and not batcher.alive and not self.state.draining))
+        return M["ServerLiveResponse"](live=not dead), "none", {}
+
+    async def server_ready(self, request, ctx):
+        return M["ServerReadyResponse"](ready=is_ready(self.state)), "none", {}
+
+    async def model_ready(self, request, ctx):
+        model = oip.served_model(self.state.models, request.name, request.version or None)
+        return M["ModelReadyResponse"](ready=bool(model.ready)), model.name, {}
+
+    async def server_metadata(self, request, ctx):
+        return M["ServerMetadataResponse"](name="softmoe-serve", version=__version__,
+                                           extensions=["binary_tensor_data", "classification"]), "none", {}
+
+    async def model_metadata(self, request, ctx):
+        model = oip.served_model(self.state.models, request.name, request.version or None)
+        ins, outs = oip.tensors_of(model)
+        meta = M["ModelMetadataResponse"](name=model.name, versions=["1"], platform=f"softmoe_{model.backend.name}")
+        for t in ins:
+            meta.inputs.add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+        for t in outs:
+            meta.outputs.add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+        return meta, model.name, {}
+
+    async def repository_index(self, request, ctx):
+        out = M["RepositoryIndexResponse"]()
+        for m in self.state.models.values():
+            if not request.ready or m.ready:
+                out.models.add(name=m.name, version="1", state="READY" if m.ready else "UNAVAILABLE")
+        return out, "none", {}
+
+    # ---------------------------------------------------------------- inference
+
+    async def model_infer(self, requests, ctx):
+        """One message read within the deadline, behind the door; then what HTTP's infer does."""
+        door, settings = self.state.door, self.state.settings
+        if self.state.draining:
+            self.state.metrics.rejected.labels("none", "draining").inc()
+            raise Unavailable("the server is shutting down", retry_after_s=5)
+        if (refusal := door.refusal(0)) is not None:
+            self.state.metrics.rejected.labels("none", refusal[1]).inc()
+            raise refusal[0]
+        door.take(1, 0)
+        held = 0
+        try:
+            raw = await _first_message(requests, context.remaining(), self.state.metrics)
+            if (refusal := door.refusal(len(raw), place=False)) is not None:
+                self.state.metrics.rejected.labels("none", refusal[1]).inc()
+                raise refusal[0]
+            door.take(0, len(raw))
+            held = len(raw)
+            return await self._infer(_parse(M["ModelInferRequest"], raw))
+        finally:
+            door.take(-1, -held)
+
+    async def _infer(self, request):
+        t0 = time.perf_counter()
+        model = oip.served_model(self.state.models, request.model_name, request.model_version or None)
+        if not model.ready:
+            raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
+        svc = self.state.service
+
+        def parse():
+            req, binary = _as_http(request)
+            return req, oip.tensors_in(model, req, binary, svc.settings)
+
+        req, tensors = await asyncio.to_thread(parse)
+        timings = Timings()
+        outputs, classes = await oip.compute(svc, model, req, tensors, timings)
+        svc.finish(model, ENDPOINT, timings, time.perf_counter(), t0)
+        response = M["ModelInferResponse"](model_name=model.name, model_version="1", id=request.id)
+        for name, arr in outputs.items():
+            if classes.get(name):
+                tensor, data = oip.classification(arr, classes[name], model.labels, True)
+                datatype, shape = tensor["datatype"], tensor["shape"]
+            else:
+                datatype, shape, data = "FP32", list(arr.shape), arr.astype("<f4").tobytes()
+            response.outputs.add(name=name, datatype=datatype, shape=shape)
+            response.raw_output_contents.append(data)
+        return response, model.name, timings.headers()
+
+
+async def _first_message(requests, seconds: float, metrics) -> bytes:
+    """The call's one message, waited for at most ``seconds``; a client that sends none is refused."""
+
+    async def first() -> bytes | None:
+        async for raw in requests:
+            return raw
+        return None
+
+    try:
+        raw = await asyncio.wait_for(first(), max(seconds, 0.0))
+    except asyncio.TimeoutError:
+        metrics.rejected.labels("none", "slow_client").inc()
+        raise RequestTimeout("the request message did not arrive within the request's deadline "
+                             "(request_timeout_s, or the client's deadline)") from None
+    if raw is None:
+        raise BadRequest("the call carried no ModelInferRequest message")
+    return raw
+
+
+def _as_http(request) -> tuple[oip.OIPInferRequest, bytes]:
+    """The gRPC request as the HTTP route's checked request and binary tail: raw_input_contents
+    become binary tensor data (each input's ``binary_data_size`` its raw bytes), typed contents
+    become ``data``."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give one per "
+                         "input, in order, or none", param="raw_input_contents")
+    inputs = []
+    for i, t in enumerate(request.inputs):
+        params = _parameters(t.parameters)
+        entry = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "parameters": params}
+        if raw:
+            params["binary_data_size"] = len(raw[i])
+            dtype = oip.DTYPES.get(t.datatype)
+            if dtype is not None and all(0 <= d for d in t.shape):
+                want = int(np.prod(t.shape, dtype=object)) * np.dtype(dtype).itemsize
+                if want != len(raw[i]):
+                    raise BadRequest(f"input {t.name!r}: raw_input_contents[{i}] holds {len(raw[i])} bytes; shape "
+                                     f"{list(t.shape)} of {t.datatype} is {want}", param=f"inputs.{i}")
+        elif t.HasField("contents"):
+            field = CONTENTS.get(t.datatype)
+            values = list(getattr(t.contents, field)) if field else []
+            entry["data"] = values
+        inputs.append(entry)
+    payload = {"inputs": inputs, "parameters": _parameters(request.parameters),
+               "outputs": [{"name": o.name, "parameters": _parameters(o.parameters)} for o in request.outputs] or None}
+    if request.id:
+        payload["id"] = request.id
+    return oip.request_from(payload), b"".join(raw)
+
+
+# ------------------------------------------------------------------ the server
+
+
+def _handlers(app) -> grpc.GenericRpcHandler:
+    servicer = Servicer(app)
+    unary = {"ServerLive": ("ServerLiveRequest", servicer.server_live),
+             "ServerReady": ("ServerReadyRequest", servicer.server_ready),
+             "ModelReady": ("ModelReadyRequest", servicer.model_ready),
+             "ServerMetadata": ("ServerMetadataRequest", servicer.server_metadata),
+             "ModelMetadata": ("ModelMetadataRequest", servicer.model_metadata),
+             "RepositoryIndex": ("RepositoryIndexRequest", servicer.repository_index)}
+    handlers = {}
+    for method, (message, fn) in unary.items():
+        call = Call(app, f"/{SERVICE}/{method}")
+
+        async def handle(raw: bytes, ctx, call=call, fn=fn, cls=M[message]):
+            async def run(raw, ctx):
+                return await fn(_parse(cls, raw), ctx)
+
+            return await call(run, raw, ctx)
+
+        handlers[method] = grpc.unary_unary_rpc_method_handler(handle, response_serializer=_serialize)
+    infer = Call(app, f"/{SERVICE}/ModelInfer")
+
+    async def model_infer(requests, ctx):
+        return await infer(servicer.model_infer, requests, ctx)
+
+    handlers["ModelInfer"] = grpc.stream_unary_rpc_method_handler(model_infer, response_serializer=_serialize)
+    return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+def _serialize(message) -> bytes:
+    return message.SerializeToString()
+
+
+async def _health(state, servicer: health_aio.HealthServicer) -> None:
+    """The health service follows readiness: SERVING while /v2/health/ready is 200, else NOT_SERVING."""
+    last = None
+    while True:
+        status = health_pb2.HealthCheckResponse.SERVING if is_ready(state) else health_pb2.HealthCheckResponse.NOT_SERVING
+        if status != last:
+            for name in ("", SERVICE):
+                await servicer.set(name, status)
+            last = status
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
+class GrpcServer:
+    """A running gRPC server; ``stop`` lets calls in flight finish within ``grace`` seconds."""
+
+    def __init__(self, server: aio.Server, port: int, watcher: asyncio.Task) -> None:
+        self.server, self.port, self.watcher = server, port, watcher
+
+    async def stop(self, grace: float) -> None:
+        self.watcher.cancel()
+        await self.server.stop(grace)
+
+
+async def start(app, host: str, port: int, reuse_port: bool = False) -> GrpcServer:
+    """Serve ``app``'s models over gRPC on ``host:port`` (0: a free port, see ``.port``).
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    settings = app.state.settings
+    options = [("grpc.max_receive_message_length", settings.max_body_bytes),
+               ("grpc.so_reuseport", 1 if reuse_port else 0)]
+    server = aio.server(options=options, maximum_concurrent_rpcs=settings.max_in_flight)
+    server.add_generic_rpc_handlers((_handlers(app),))
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as e:
+        raise OSError(f"cannot listen on {address}: {e}") from None
+    if not bound:
+        raise OSError(f"cannot listen on {address}")
+    await server.start()
+    watcher = asyncio.ensure_future(_health(app.state, health))
+    return GrpcServer(server, bound, watcher)
