@@ -87,11 +87,12 @@ ENV PATH=/opt/venv/bin:$PATH \
     SOFTMOE_CACHE_DIR=/cache \
     SOFTMOE_BACKEND=torch \
     SOFTMOE_DEVICE=cpu \
-    SOFTMOE_PORT=8000
+    SOFTMOE_PORT=8000 \
+    SOFTMOE_GRPC_PORT=8001
 VOLUME ["/tmp", "/cache"]
 USER 10001:10001
 WORKDIR /tmp
-EXPOSE 8000
+EXPOSE 8000 8001
 # Kubernetes ignores HEALTHCHECK (its probes are the contract); this serves `docker run`/compose.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/live' % os.environ.get('SOFTMOE_PORT', '8000'), timeout=4)"]
@@ -139,13 +140,14 @@ ENV PATH=/opt/venv/bin:$PATH \
     SOFTMOE_DEVICE=cuda \
     SOFTMOE_PRECISION=fp16 \
     SOFTMOE_PORT=8000 \
+    SOFTMOE_GRPC_PORT=8001 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     NVIDIA_REQUIRE_CUDA=cuda>=13.0
 VOLUME ["/tmp", "/cache"]
 USER 10001:10001
 WORKDIR /tmp
-EXPOSE 8000
+EXPOSE 8000 8001
 # Start-up includes the TensorRT engine build on a cold cache, hence the long start period.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=900s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/v2/health/live' % os.environ.get('SOFTMOE_PORT', '8000'), timeout=4)"]

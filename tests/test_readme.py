@@ -56,7 +56,7 @@ def test_readme_is_short():
 
 def test_quickstart_has_every_kind_of_request():
     text = "\n".join(code for _, code, _ in quickstart())
-    for needle in ("application/json", "-F image=@", "--data-binary", "httpx", "from openai", "tritonclient"):
+    for needle in ("application/json", "-F image=@", "--data-binary", "httpx", "from openai", "tritonclient.http", "tritonclient.grpc"):
         assert needle in text, needle
 
 
@@ -76,7 +76,7 @@ def server():
 @pytest.mark.parametrize("index", range(len(quickstart())))
 def test_quickstart_command_gives_the_readme_output(server, index):
     lang, code, want = quickstart()[index]
-    code = code.replace("localhost:8000", f"localhost:{server.port}")
+    code = code.replace("localhost:8000", f"localhost:{server.port}").replace("localhost:8001", f"localhost:{server.grpc_port}")
     if lang == "bash":
         assert shutil.which("curl"), "the Quickstart uses curl"
         cmd = ["bash", "-euo", "pipefail", "-c", code]

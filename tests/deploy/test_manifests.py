@@ -326,12 +326,14 @@ def test_dockerfile_targets_match_the_manifests():
         user = [ln.split()[1] for ln in lines if ln.startswith("USER ")][-1]
         assert user.split(":")[0] == str(pod["securityContext"]["runAsUser"])
         assert user.split(":")[1] == str(pod["securityContext"]["runAsGroup"])
-        expose = [ln.split()[1] for ln in lines if ln.startswith("EXPOSE ")]
-        assert expose == [str(c["ports"][0]["containerPort"])]
+        expose = [ln.split()[1:] for ln in lines if ln.startswith("EXPOSE ")]
+        assert expose == [[str(p["containerPort"]) for p in c["ports"]]]  # HTTP and gRPC
         health = " ".join(ln for ln in lines if ln.startswith("HEALTHCHECK "))
         assert "/v2/health/live" in health and "curl" not in health and "urllib" in health
         env = " ".join(ln for ln in lines if ln.startswith("ENV "))
         assert f"SOFTMOE_CACHE_DIR={env_of(docs)['SOFTMOE_CACHE_DIR']}" in env
+        for key in ("SOFTMOE_PORT", "SOFTMOE_GRPC_PORT"):
+            assert f"{key}={env_of(docs)[key]}" in env
         volumes = " ".join(ln for ln in lines if ln.startswith("VOLUME "))
         assert '"/tmp"' in volumes and f'"{env_of(docs)["SOFTMOE_CACHE_DIR"]}"' in volumes
         assert [ln for ln in lines if ln.startswith("CMD ")] == ['CMD ["serve", "--host", "0.0.0.0"]']

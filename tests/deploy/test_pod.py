@@ -92,6 +92,16 @@ def routes() -> Routes:
     return Routes()
 
 
+def _grpc_health(port: int, timeout: float) -> str:
+    """What Kubernetes' grpc probe asks: grpc.health.v1.Health/Check for the server ("")."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def _probe_port(c: dict, port) -> int:
     if isinstance(port, int):
         return port
@@ -105,17 +115,21 @@ def test_probes_and_scrape_hit_real_server_routes(rendered, routes):
     from server.settings import Settings
 
     port = int(env_of(docs).get("SOFTMOE_PORT", Settings().port))
+    grpc_port = int(env_of(docs).get("SOFTMOE_GRPC_PORT", Settings().grpc_port))
     assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
-    assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert "/v2/health/nothing" not in routes  # the check can fail
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "livenessProbe"):
         get = c[probe]["httpGet"]
         assert get["path"] in routes
         assert _probe_port(c, get["port"]) == port
+    # Readiness: the gRPC health service (the whole server: service ""), on the gRPC port by number.
+    assert c["readinessProbe"]["grpc"].get("service", "") == "" and c["readinessProbe"]["grpc"]["port"] == grpc_port
+    assert _probe_port(c, "grpc") == grpc_port != 0
     svc = by_kind(docs, "Service")
-    (sport,) = svc["spec"]["ports"]
-    assert _probe_port(c, sport["targetPort"]) == port
+    sport, gport = svc["spec"]["ports"]
+    assert _probe_port(c, sport["targetPort"]) == port and _probe_port(c, gport["targetPort"]) == grpc_port
+    assert gport["appProtocol"] == "kubernetes.io/h2c"
     pod_labels = by_kind(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert svc["spec"]["selector"].items() <= pod_labels.items()
     sm = by_kind(docs, "ServiceMonitor")
@@ -212,7 +226,9 @@ def test_the_cpu_pod_for_real(tmp_path):
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SOFTMOE_")}
     env.update(env_of(docs))
-    env.update(SOFTMOE_PORT=str(port), SOFTMOE_CACHE_DIR=str(tmp_path / "cache"), HOME=str(tmp_path / "home"))
+    grpc_port = free_port()
+    env.update(SOFTMOE_PORT=str(port), SOFTMOE_GRPC_PORT=str(grpc_port), SOFTMOE_CACHE_DIR=str(tmp_path / "cache"),
+               HOME=str(tmp_path / "home"))
     args = ["127.0.0.1" if a == "0.0.0.0" else a for a in c["args"]]
     exe = [str(BIN / "softmoe")] if (BIN / "softmoe").exists() else [sys.executable, "-m", "server"]
     log = tmp_path / "server.log"
@@ -232,8 +248,10 @@ def test_the_cpu_pod_for_real(tmp_path):
             assert proc.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() - t0 < budget, f"not started within {budget}s\n{log.read_text()[-3000:]}"
             time.sleep(0.5)
-        for probe in ("readinessProbe", "livenessProbe"):
-            assert httpx.get(url + c[probe]["httpGet"]["path"], timeout=c[probe]["timeoutSeconds"]).status_code == 200
+        ready = c["readinessProbe"]
+        assert _grpc_health(grpc_port, ready["timeoutSeconds"]) == "SERVING"
+        live = c["livenessProbe"]
+        assert httpx.get(url + live["httpGet"]["path"], timeout=live["timeoutSeconds"]).status_code == 200
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         assert {m["backend"]["backend"] for m in models} == {env["SOFTMOE_BACKEND"]}
         from sklearn.datasets import load_digits
@@ -247,7 +265,7 @@ def test_the_cpu_pod_for_real(tmp_path):
         proc.send_signal(signal.SIGTERM)
         stopped = time.monotonic()
         time.sleep(0.5)
-        assert httpx.get(url + c["readinessProbe"]["httpGet"]["path"], timeout=5).status_code == 503
+        assert _grpc_health(grpc_port, 5) == "NOT_SERVING"
         assert httpx.get(url + c["livenessProbe"]["httpGet"]["path"], timeout=5).status_code == 200
         pre_stop = float(c["lifecycle"]["preStop"]["exec"]["command"][1])
         left = pod["terminationGracePeriodSeconds"] - pre_stop

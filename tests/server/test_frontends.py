@@ -40,13 +40,14 @@ class Server:
     """`softmoe serve` on a free port, its log (stdout and stderr) in a file."""
 
     def __init__(self, workdir: Path, name: str, *flags: str) -> None:
-        self.port = free_port()
+        self.port, self.grpc_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "server", "serve", "--port", str(self.port), "--backend", "torch",
-             "--cache-dir", str(workdir / "cache"), "--drain-seconds", "1", *flags],
+             "--grpc-port", str(self.grpc_port), "--cache-dir", str(workdir / "cache"), "--drain-seconds", "1",
+             *flags],
             cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
 
@@ -253,6 +254,33 @@ def test_answers_equal_one_process(servers):
         assert a.content == b.content, path
     meta = [httpx.get(f"{s.url}/v2/models/digits", timeout=10).json() for s in (servers["split"], servers["single"])]
     assert meta[0]["parameters"]["batch_shapes"] == meta[1]["parameters"]["batch_shapes"]
+
+
+def test_every_front_end_serves_grpc(servers):
+    """gRPC on the shared port (SO_REUSEPORT in every front end): each of several connections gets
+    the one-process server's logits, bit for bit, and the front ends' health checks say SERVING."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from server.grpc_api.service import M
+
+    pixels = np.random.default_rng(5).uniform(-1, 1, (2, 3, 8, 8)).astype(np.float32)
+    request = M["ModelInferRequest"](model_name="digits")
+    request.inputs.add(name="pixel_values", datatype="FP32", shape=list(pixels.shape))
+    request.raw_input_contents.append(pixels.tobytes())
+    got = {}
+    for name in ("split", "single"):
+        for i in range(4 if name == "split" else 1):  # new channels: the kernel spreads them over front ends
+            with grpc.insecure_channel(f"127.0.0.1:{servers[name].grpc_port}",
+                                       options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+                assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+                    health_pb2.HealthCheckResponse.SERVING
+                call = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                           request_serializer=lambda m: m.SerializeToString(),
+                                           response_deserializer=M["ModelInferResponse"].FromString)
+                reply = call(request, timeout=30)
+                got.setdefault(name, set()).add(reply.raw_output_contents[0])
+    assert len(got["split"]) == 1 and got["split"] == got["single"]
 
 
 def test_an_image_alone_and_among_others_is_byte_identical(servers):
