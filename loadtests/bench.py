@@ -35,6 +35,11 @@ object with every ratio):
              its --package DIR): images/s at saturation and p50 at concurrency 1.
   protocol   The HTTP protocol's own CPU per request, bounded request heads (server.connection) vs
              uvicorn's httptools, without network or model (loadtests/protocol_cost.py).
+  grpc       OIP v2 over gRPC (tritonclient.grpc, raw tensors) vs over HTTP with JSON data and with
+             binary tensors (tritonclient.http), one server, the same held-out digits one and eight
+             rows per request, 8 client threads, the three transports in shuffled windows each round;
+             every answer bitwise the same on every transport, else the section fails
+             (loadtests/grpc_bench.py).
   attack     Legitimate requests/s with and without 200 slow clients (trickled bodies and heads, idle
              connections) reconnecting as soon as they are cut off (loadtests/attack_bench.py).
   concurrent `--concurrent-batches 2` vs 1 on soft-s16-e128 at max batch 8: throughput at saturation
@@ -464,7 +469,7 @@ GOALS = {  # key: (comparison, target); the last four are issue 14's
     "rss_over_weights": ("<=", 1.35),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "attack", "concurrent", "spinning", "memory", "layers", "gpu")
+            "grpc", "attack", "concurrent", "spinning", "memory", "layers", "gpu")
 
 
 def _positive(kind):
@@ -479,8 +484,8 @@ def _positive(kind):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, invariance_bench, memory_bench, peers_bench,
-                           protocol_cost, spin_bench)
+    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, grpc_bench, invariance_bench, memory_bench,
+                           peers_bench, protocol_cost, spin_bench)
     from loadtests.peers.common import SESSIONS
 
     argv = sys.argv[1:] if argv is None else argv
@@ -528,6 +533,7 @@ def main(argv: list[str] | None = None) -> None:
             "invariance": lambda: invariance_bench.section(mode),
             "decode_nice": lambda: decode_nice_bench.section(mode),
             "protocol": lambda: protocol_cost.section(mode),
+            "grpc": lambda: grpc_bench.section(mode),
             "attack": lambda: attack_bench.section(mode),
             "concurrent": lambda: concurrent_bench.section(mode, Path(tmp)),
             "spinning": lambda: spin_bench.section(mode, Path(tmp)),

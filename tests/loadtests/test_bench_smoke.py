@@ -46,6 +46,12 @@ KEYS = (
     "one_session_cost_b8",
     # routing statistics on vs off
     "routing_stats_on_vs_off", "routing_stats_on_vs_off_paired", "routing_stats_every_call_vs_off",
+    # OIP over gRPC vs over HTTP with JSON data and with binary tensors (one and eight rows per request)
+    "grpc_over_http_json", "grpc_over_http_binary", "grpc_over_http_json_b8", "grpc_over_http_binary_b8",
+    "oip_grpc_img_per_s_b1", "oip_http_json_img_per_s_b1", "oip_http_binary_img_per_s_b1",
+    "oip_grpc_img_per_s_b8", "oip_http_json_img_per_s_b8", "oip_http_binary_img_per_s_b8",
+    "oip_grpc_server_cpu_ms_per_img_b1", "oip_http_json_server_cpu_ms_per_img_b1",
+    "oip_http_binary_server_cpu_ms_per_img_b1",
     # the run
     "errors", "seconds",
 )
@@ -113,3 +119,8 @@ def test_peers_report_every_ratio_or_are_skipped(smoke):
 def test_spinning_section_compares_the_bits_of_both_policies(smoke):
     _, result = smoke
     assert result["spin_outputs_bitwise_equal"] is True
+
+
+def test_grpc_section_compares_the_bits_of_every_transport(smoke):
+    _, result = smoke
+    assert result["grpc_outputs_bitwise_equal"] is True
