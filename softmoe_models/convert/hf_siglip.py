@@ -375,8 +375,9 @@ def sentencepiece_bytes(src: Path, legacy: bool) -> bytes:
         return data
     try:
         from sentencepiece import sentencepiece_model_pb2 as pb2
-    except ImportError as e:  # protobuf missing
-        raise ConversionError(f"{TOKENIZER_CONFIG} sets legacy=false, which needs the protobuf package ({e})") from None
+    except Exception as e:  # protobuf missing, or a runtime older than the module's gencode (a VersionError)
+        raise ConversionError(f"{TOKENIZER_CONFIG} sets legacy=false, which needs sentencepiece's model protobuf "
+                              f"module to load ({type(e).__name__}: {e})") from None
     proto = pb2.ModelProto.FromString(data)
     if not proto.normalizer_spec.add_dummy_prefix:
         return data
