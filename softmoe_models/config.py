@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -20,18 +21,114 @@ TEXT_POOLS: tuple[str, ...] = get_args(TextPool)
 # list for every layer that offers a choice: `softmoe export`'s --precision and `softmoe serve`'s.
 Precision = Literal["fp32", "fp16", "bf16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+# What routes tokens to the experts of an MoE block: Soft MoE (vmoe SoftRouter), or vmoe's sparse
+# routers as it evaluates them (sparse_moe.py): NoisyTopExpertsPerItemRouter ("tokens-choice") and
+# NoisyTopItemsPerExpertRouter ("experts-choice").
+Router = Literal["soft", "tokens-choice", "experts-choice"]
+ROUTERS: tuple[str, ...] = get_args(Router)
+# vmoe's dispatcher dtype: "bfloat16" is its Bfloat16Dispatcher (expert inputs and outputs rounded).
+DispatchDtype = Literal["float32", "bfloat16"]
+DISPATCH_DTYPES: tuple[str, ...] = get_args(DispatchDtype)
+CapacityRounding = Literal["ceil", "round"]  # vmoe capacity_ceil_or_round
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Where and how wide the Soft MoE blocks are."""
+    """Where and how wide the MoE blocks are, and how they route (Soft MoE unless ``router`` says)."""
 
-    layers: tuple[int, ...]  # block indices whose MLP is a Soft MoE layer
-    num_experts: int  # n
-    slots_per_expert: int = 1  # p
+    layers: tuple[int, ...]  # block indices whose MLP is an MoE layer
+    num_experts: int  # n (E)
+    slots_per_expert: int = 1  # p, Soft MoE only (a sparse router has capacity, not slots)
     mlp_dim: int | None = None  # expert hidden width; None = the encoder's mlp_dim
     # Routing groups: always one sequence (vmoe's Soft MoE configs set group_size to the tokens
-    # of one image, so its groups are images). Old configs' group_size: see _drop_group_sizes.
+    # of one image, so its groups are images; sparse routers here do the same, so no batch-mate
+    # takes an image's capacity). Old configs' group_size: see _drop_group_sizes.
+    router: Router = "soft"  # see ROUTERS; "soft" is the Soft MoE layer, the others sparse_moe.py
+    experts_per_token: int | None = None  # K, tokens-choice only (vmoe num_selected_experts); None = 1
+    capacity_factor: float = 4.0  # sparse only: C = ceil(S*K*cf/E), S tokens per group; 4.0 = vmoe eval
+    capacity_rounding: CapacityRounding = "ceil"  # sparse only: vmoe capacity_ceil_or_round
+    capacity_multiple_of: int = 4  # sparse only: C rounded up to a multiple of this (vmoe default 4)
+    batch_priority: bool = False  # tokens-choice only: claims in descending top-1 gate order (BPR)
+    dispatch_dtype: DispatchDtype = "float32"  # "bfloat16": vmoe's Bfloat16Dispatcher (both routers)
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem:
+            raise ValueError(f"MoEConfig: {problem}")
+
+    def _problem(self) -> str | None:
+        """The first impossible setting, in words; None when the config is consistent."""
+        if self.router not in ROUTERS:
+            return f"router {self.router!r} is not one of {list(ROUTERS)}"
+        if self.dispatch_dtype not in DISPATCH_DTYPES:
+            return f"dispatch_dtype {self.dispatch_dtype!r} is not one of {list(DISPATCH_DTYPES)}"
+        if self.capacity_rounding not in ("ceil", "round"):
+            return f"capacity_rounding {self.capacity_rounding!r} is not 'ceil' or 'round'"
+        if self.router != "tokens-choice":
+            if self.experts_per_token is not None:
+                return (f"experts_per_token (K) is for router 'tokens-choice'; router {self.router!r} "
+                        + ("picks tokens per expert" if self.sparse else "has slots, not choices"))
+            if self.batch_priority:
+                return f"batch_priority orders tokens-choice claims; router {self.router!r} has none"
+        elif not 1 <= self.k <= self.num_experts:
+            return f"experts_per_token K={self.k} must be between 1 and num_experts={self.num_experts}"
+        if self.sparse:
+            if self.slots_per_expert != 1:
+                return f"slots_per_expert={self.slots_per_expert} is Soft MoE only; router {self.router!r} has capacity"
+            if not self.capacity_factor > 0:
+                return f"capacity_factor must be > 0, got {self.capacity_factor}"
+            if self.capacity_multiple_of < 1:
+                return f"capacity_multiple_of must be >= 1, got {self.capacity_multiple_of}"
+        elif (self.capacity_factor, self.capacity_rounding, self.capacity_multiple_of) != (4.0, "ceil", 4):
+            return ("capacity_factor/capacity_rounding/capacity_multiple_of are for sparse routers; "
+                    "router 'soft' has slots")
+        return None
+
+    @property
+    def sparse(self) -> bool:
+        """Whether the MoE layers are vmoe's sparse ones (tokens or experts choice)."""
+        return self.router != "soft"
+
+    @property
+    def k(self) -> int:
+        """Experts per token of tokens-choice (1 when unset)."""
+        return 1 if self.experts_per_token is None else self.experts_per_token
+
+    def capacity(self, group_tokens: int) -> int:
+        """Expert capacity C for a routing group of ``group_tokens`` tokens (vmoe compute_capacity)."""
+        k = self.k if self.router == "tokens-choice" else 1
+        return compute_capacity(group_tokens * k, self.num_experts, self.capacity_factor,
+                                self.capacity_rounding, self.capacity_multiple_of)
+
+    def check_tokens(self, tokens: int, where: str) -> None:
+        """Raise ValueError when experts-choice would pick more tokens than a group of ``tokens`` has."""
+        if self.router == "experts-choice" and self.capacity(tokens) > tokens:
+            raise ValueError(
+                f"{where}: experts-choice capacity {self.capacity(tokens)} exceeds the {tokens} tokens of a "
+                f"routing group (capacity_factor={self.capacity_factor}, rounding={self.capacity_rounding!r}, "
+                f"multiple_of={self.capacity_multiple_of}); vmoe's top_k fails the same way. Lower the "
+                "capacity factor, or use rounding 'round' and multiple_of 1 as vmoe's experts-choice config"
+            )
+
+
+def compute_capacity(num_tokens: int, num_experts: int, capacity_factor: float,
+                     rounding: CapacityRounding = "ceil", multiple_of: int = 4) -> int:
+    """vmoe ``compute_capacity``: ``num_tokens * cf / E`` in Python float arithmetic (that order),
+    ceil (or Python's round, half to even), at least 1, then up to a multiple of ``multiple_of``.
+
+    Args:
+        num_tokens: claims per group: S * K for tokens choice, S for experts choice.
+        num_experts: E.
+        capacity_factor: cf.
+        rounding: "ceil" or "round".
+        multiple_of: C is rounded up to a multiple of this.
+    """
+    raw = num_tokens * capacity_factor / num_experts
+    capacity = int(math.ceil(raw)) if rounding == "ceil" else int(round(raw))
+    if capacity < 1:
+        raise ValueError(f"capacity {raw} rounds to {capacity} < 1 (num_tokens={num_tokens}, "
+                         f"num_experts={num_experts}, capacity_factor={capacity_factor})")
+    return capacity + (-capacity) % multiple_of
 
 
 @dataclass(frozen=True)
@@ -62,6 +159,10 @@ class ViTConfig:
     representation_size: int | None = None  # pre_logits Dense + tanh when set
     in_channels: int = 3
     map_mlp_dim: int | None = None  # MAP head MLP width (classifier 'map'); None = mlp_dim
+
+    def __post_init__(self) -> None:
+        if self.encoder.moe is not None:
+            self.encoder.moe.check_tokens(self.num_tokens, "ViTConfig")
 
     @property
     def grid(self) -> int:
@@ -98,6 +199,8 @@ class TextConfig:
     def __post_init__(self) -> None:
         if self.pool_type not in TEXT_POOLS:
             raise ValueError(f"TextConfig.pool_type {self.pool_type!r} is not one of {list(TEXT_POOLS)}")
+        if self.encoder.moe is not None:
+            self.encoder.moe.check_tokens(self.max_len, "TextConfig")
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ class Attention(nn.Module):
 
 
 class EncoderBlock(nn.Module):
-    """Pre-LN block: ``x + Attn(LN0(x))`` then ``x + MLP(LN1(x))`` (or Soft MoE)."""
+    """Pre-LN block: ``x + Attn(LN0(x))`` then ``x + MLP(LN1(x))`` (or an MoE layer: Soft MoE, or
+    vmoe's sparse one when ``cfg.moe.router`` is sparse)."""
 
     def __init__(self, cfg: EncoderConfig, moe: bool, dropout: float = 0.0) -> None:
         super().__init__()
@@ -97,7 +98,11 @@ class EncoderBlock(nn.Module):
         self.attn = Attention(d, cfg.num_heads, cfg.qk_norm)
         self.norm2 = layer_norm(d)
         self.mlp: nn.Module
-        if moe:
+        if moe and cfg.moe is not None and cfg.moe.sparse:
+            from .sparse_moe import SparseMoE
+
+            self.mlp = SparseMoE.from_config(d, cfg.moe, cfg.moe.mlp_dim or cfg.mlp_dim)
+        elif moe:
             from .soft_moe import SoftMoE
 
             assert cfg.moe is not None
@@ -106,6 +111,7 @@ class EncoderBlock(nn.Module):
                 num_experts=cfg.moe.num_experts,
                 slots_per_expert=cfg.moe.slots_per_expert,
                 mlp_dim=cfg.moe.mlp_dim or cfg.mlp_dim,
+                bf16_dispatch=cfg.moe.dispatch_dtype == "bfloat16",
             )
         else:
             self.mlp = Mlp(d, cfg.mlp_dim, dropout)
