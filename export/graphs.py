@@ -8,7 +8,10 @@
     routing:     pixel_values                             -> the classifier's (or image tower's) outputs,
                  then dispatch_weights, combine_weights (N, L, m, s), dispatch_entropy, combine_entropy
                  (N, L), expert_share (N, L, n): every Soft MoE layer of the image model
-                 (softmoe_models.routing); a separate graph, so the plain ones stay as they are
+                 (softmoe_models.routing); a separate graph, so the plain ones stay as they are.
+                 Sparse V-MoE models: combine_weights (N, L, m, E), dropped (N, L, m), expert_load
+                 (N, L, E), then the same statistics and dropped_choices (N, L)
+                 (softmoe_models.sparse_routing)
 
 Inputs and outputs stay float32 whatever the compute precision; casts happen inside.
 """
@@ -20,9 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from softmoe_models import routing
+from softmoe_models import routing, sparse_routing
 from softmoe_models.config import SeqEncoderConfig, TwoTowerConfig, ViTConfig
 from softmoe_models.soft_moe import capture_routing, soft_moe_layers
+from softmoe_models.sparse_moe import sparse_moe_layers
 from softmoe_models.two_tower import normalize_embeddings
 
 
@@ -113,6 +117,28 @@ class RoutingGraph(nn.Module):
         return (*outs, dispatch, combine, *stats)
 
 
+class SparseRoutingGraph(nn.Module):
+    """RoutingGraph for sparse V-MoE layers: the plain outputs, each layer's combine weights,
+    dropped choices and expert loads, and their statistics."""
+
+    def __init__(self, plain: nn.Module, image_model: nn.Module) -> None:
+        super().__init__()
+        self.plain = plain
+        self._layers = list(sparse_moe_layers(image_model))
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with capture_routing(self._layers):
+            out = self.plain(pixel_values)
+            combine, dropped, load = sparse_routing.stack_routing(self._layers)
+        outs = out if isinstance(out, tuple) else (out,)
+        stats = sparse_routing.routing_statistics(combine, dropped)
+        return (*outs, combine, dropped.float(), load.float(), *stats)
+
+
+def _routing_graph(plain: nn.Module, image_model: nn.Module, layout) -> nn.Module:
+    return RoutingGraph(plain, image_model) if isinstance(layout, routing.Layout) else SparseRoutingGraph(plain, image_model)
+
+
 @dataclass
 class Graph:
     """One exportable module and its I/O contract."""
@@ -134,8 +160,9 @@ def graphs_for(model: nn.Module, dtype: torch.dtype) -> dict[str, Graph]:
         outs = ["logits", "pre_logits"] if cfg.num_classes else ["pre_logits"]
         plain = ClassifierGraph(model, dtype)
         graphs = {"classifier": Graph("classifier", plain, [_pixels(cfg)], outs)}
-        if routing.layout_for(cfg) is not None:
-            graphs["routing"] = Graph("routing", RoutingGraph(plain, model), [_pixels(cfg)], [*outs, *routing.OUTPUTS])
+        if (layout := routing.any_layout(cfg)) is not None:
+            graphs["routing"] = Graph("routing", _routing_graph(plain, model, layout), [_pixels(cfg)],
+                                      [*outs, *routing.outputs_of(layout)])
         return graphs
     if isinstance(cfg, TwoTowerConfig):
         image = ImageTowerGraph(model.image, dtype)
@@ -147,9 +174,9 @@ def graphs_for(model: nn.Module, dtype: torch.dtype) -> dict[str, Graph]:
             "image": Graph("image", image, [pix], ["image_embeds"]),
             "text": Graph("text", text, [TensorSpec("input_ids", ("batch", cfg.text.max_len), torch.int64)], ["text_embeds"]),
         }
-        if routing.layout_for(cfg) is not None:
-            graphs["routing"] = Graph("routing", RoutingGraph(image, model.image), [pix],
-                                      ["image_embeds", *routing.OUTPUTS])
+        if (layout := routing.any_layout(cfg)) is not None:
+            graphs["routing"] = Graph("routing", _routing_graph(image, model.image, layout), [pix],
+                                      ["image_embeds", *routing.outputs_of(layout)])
         return graphs
     if isinstance(cfg, SeqEncoderConfig):
         spec = TensorSpec("inputs_embeds", ("batch", cfg.seq_len, cfg.embed_dim), torch.float32)

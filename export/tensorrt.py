@@ -261,7 +261,7 @@ def export_tensorrt(
     roles = {"classifier": ["classifier"], "two-tower": ["image", "text"], "encoder": ["encoder"]}[pkg.kind]
     from softmoe_models import routing
 
-    with_routing = routing.layout_for(pkg.config) is not None
+    with_routing = routing.any_layout(pkg.config) is not None
     if with_routing:  # the /v1/routing graph: its own engine, the plain ones unchanged
         roles = [*roles, "routing"]
     keys = {role: EngineKey(

@@ -109,6 +109,16 @@ class Metrics:
             "softmoe_routing_drift_baseline", "The routing drift (bits) sampling noise alone gives an in-distribution "
             "window of the current size (from the reference profile's variances)", ["model"], registry=r,
         )
+        self.routing_dropped_choices = Counter(
+            "softmoe_routing_dropped_choices_total", "Sparse V-MoE: token choices that found no room in their expert "
+            "(Experts Choice: tokens no expert took), over the images whose routing the server computed (sampled "
+            "calls and /v1/routing); a dropped choice adds nothing but the residual", ["model", "layer"], registry=r,
+        )
+        self.routing_token_choices = Counter(
+            "softmoe_routing_token_choices_total", "Sparse V-MoE: the token choices those drops are counted out of "
+            "(tokens x experts per token per image): the drop rate is the ratio of the two rates",
+            ["model", "layer"], registry=r,
+        )
         self.routing_window_images = Gauge(
             "softmoe_routing_window_images", "Sampled images in the live routing window", ["model"], registry=r,
         )

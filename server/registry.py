@@ -31,7 +31,7 @@ class RoutingState:
     """A model's routing function (/v1/routing) and its statistics: which calls of the plain image
     function are sampled, the live window, the reference profile, the metric series."""
 
-    layout: routing_lib.Layout
+    layout: Any  # routing_lib.Layout (Soft MoE) or sparse_routing.SparseLayout (sparse V-MoE)
     plain: str  # the image function whose calls are sampled: classify | image
     profile: dict[str, Any] | None  # the package's reference routing profile
     window: routing_lib.Window
@@ -59,10 +59,10 @@ class RoutingState:
                 return call(rows)
             if self.shared:
                 out = backend.run(ROUTING, rows)
-                return {k: out[k] for k in (*names, *routing_lib.STATS)}
+                return {k: out[k] for k in (*names, *self.stats)}
             out = call(rows)
             extra = backend.run(ROUTING, rows)
-            return {**out, **{k: extra[k] for k in routing_lib.STATS}}
+            return {**out, **{k: extra[k] for k in self.stats}}
 
         return run
 
@@ -95,9 +95,23 @@ class RoutingState:
             if lane == "beside":
                 return call(rows)
             out = backend.run(ROUTING, rows)
-            return {k: out[k] for k in (*names, *(routing_lib.STATS if lane == "stats" else ()))}
+            return {k: out[k] for k in (*names, *(self.stats if lane == "stats" else ()))}
 
         return plan, run
+
+    def count_drops(self, dropped: np.ndarray) -> None:
+        """Add ``(k, L)`` dropped token choices of k routed images to the drop counters (with the
+        k * choices-per-image they were dropped out of, so the rate is one ratio of two counters)."""
+        if "dropped" not in self.series:
+            return
+        for counter, total, n in zip(self.series["dropped"], self.series["choices"], np.asarray(dropped).sum(axis=0)):
+            counter.inc(float(n))
+            total.inc(float(len(dropped) * self.layout.choices))
+
+    @property
+    def stats(self) -> tuple[str, ...]:
+        """The per-image statistics a sampled call returns (sparse models add ``dropped_choices``)."""
+        return routing_lib.stats_of(self.layout)
 
     def bind(self, metrics: Metrics, model: str) -> None:
         """Create the model's routing series and keep them (no label lookups on the hot path)."""
@@ -112,18 +126,23 @@ class RoutingState:
             "drift": metrics.routing_drift.labels(model) if self.profile is not None else None,
             "baseline": metrics.routing_drift_baseline.labels(model) if self.profile is not None else None,
         }
+        if "dropped_choices" in self.stats:
+            self.series["dropped"] = [metrics.routing_dropped_choices.labels(model, b) for b in layers]
+            self.series["choices"] = [metrics.routing_token_choices.labels(model, b) for b in layers]
 
     def record(self, outputs: list[dict[str, np.ndarray]]) -> None:
         """Take the statistics out of ``outputs`` (one dict per item, changed in place) and update the
         histograms, the live window, the expert shares and the drift."""
         rows = []
         for out in outputs:
-            stats = [out.pop(k, None) for k in routing_lib.STATS]
+            stats = [out.pop(k, None) for k in self.stats]
             if stats[0] is not None:
                 rows.append(stats)
         if not rows or not self.series:
             return
-        h_dispatch, h_combine, shares = (np.stack(col) for col in zip(*rows))  # (k, L), (k, L), (k, L, n)
+        h_dispatch, h_combine, shares, *dropped = (np.stack(col) for col in zip(*rows))  # (k, L), (k, L), (k, L, n)
+        if dropped:
+            self.count_drops(dropped[0])
         for i, (hd, hc) in enumerate(zip(h_dispatch.T.tolist(), h_combine.T.tolist())):
             for v in hd:
                 self.series["dispatch"][i].observe(v)
@@ -213,7 +232,7 @@ def load_served_model(spec: str, settings: Settings, log=print) -> ServedModel:
 
 def _routing_state(backend: Backend, config, profile: dict[str, Any] | None, settings: Settings) -> RoutingState | None:
     """The routing state of a model whose backend has a routing function, else None."""
-    layout = routing_lib.layout_for(config)
+    layout = routing_lib.any_layout(config)
     if getattr(backend, "routing", None) is None or layout is None:
         return None
     if profile is not None:

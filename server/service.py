@@ -513,18 +513,23 @@ class Service:
         return model, results, timings
 
     async def routing(self, name, blobs, fmt: str, layers: list[int] | None, slots: int, receive=None):
-        """Per image, every Soft MoE layer's routing (``softmoe_models.routing``) through the
+        """Per image, every MoE layer's routing (``softmoe_models.routing``; sparse V-MoE models:
+        ``softmoe_models.sparse_routing``, JSON only) through the
         model's routing queue: ``(model, body, timings)`` with ``body`` the JSON-ready dict, or
         the PNG bytes of the rendered sheet when ``fmt == 'png'``."""
         t0, timings = time.perf_counter(), Timings()
-        model = self.pick(name, ROUTING, "show routing (it needs Soft MoE image layers and --routing)")
+        model = self.pick(name, ROUTING, "show routing (it needs MoE image layers and --routing)")
         layout = model.routing.layout
+        soft = isinstance(layout, routing_lib.Layout)
         unknown = sorted(set(layers or ()) - set(layout.layers))
         if unknown:
-            raise Unprocessable(f"layer(s) {unknown} of model {model.name!r} are not Soft MoE layers; "
+            raise Unprocessable(f"layer(s) {unknown} of model {model.name!r} are not MoE layers; "
                                 f"those are {list(layout.layers)}", param="layers")
         self.check_count(len(blobs), self.settings.max_images_per_request, "images", "images")
         drawn = len(layers) if layers else len(layout.layers)
+        if fmt == "png" and not soft:
+            raise Unprocessable(f"model {model.name!r} routes sparsely ({layout.router}); the PNG draws Soft MoE "
+                                "slots: ask for format json (combine weights per token and expert)", param="format")
         if fmt == "png" and routing_lib.sheet_pixels(layout, len(blobs), drawn, slots) > PNG_MAX_PIXELS:
             raise Unprocessable(f"a PNG of {len(blobs)} images x {drawn} layers x {slots} slots exceeds "
                                 f"{PNG_MAX_PIXELS} pixels; ask for fewer images, layers or slots", param="images")
@@ -545,10 +550,15 @@ class Service:
 
             body = await asyncio.to_thread(render)
         else:
-            per_image = await asyncio.to_thread(lambda: [routing_lib.image_routing(layout, o, layers) for o in outputs])
+            per_image = await asyncio.to_thread(lambda: [routing_lib.any_image_routing(layout, o, layers)
+                                                         for o in outputs])
             body = {"model": model.name, "grid": [layout.grid, layout.grid], "tokens": layout.tokens,
-                    "num_experts": layout.num_experts, "slots_per_expert": layout.slots_per_expert,
+                    "num_experts": layout.num_experts,
+                    **({"slots_per_expert": layout.slots_per_expert} if soft else
+                       {"router": layout.router, "experts_per_token": layout.experts_per_token, "cls": layout.cls}),
                     "results": [{"prediction": t, "layers": r} for t, r in zip(top, per_image)]}
+        if not soft:  # these images' drops count too: the routing was computed
+            model.routing.count_drops(np.stack([o["dropped_choices"] for o in outputs]))
         self.finish(model, "routing", timings, t_post, t0)
         return model, body, timings
 

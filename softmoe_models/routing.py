@@ -79,10 +79,48 @@ def layout_for(cfg: Any) -> Layout | None:
 
     image = cfg.image if isinstance(cfg, TwoTowerConfig) else cfg if isinstance(cfg, ViTConfig) else None
     moe = image.encoder.moe if image is not None else None
-    if moe is None or not moe.layers:
+    if moe is None or not moe.layers or moe.sparse:
         return None
     return Layout(tuple(sorted(moe.layers)), moe.num_experts, moe.slots_per_expert, image.grid,
                   image.classifier == "token", image.image_size)
+
+
+def any_layout(cfg: Any):
+    """The routing layout of an image model's MoE layers: a :class:`Layout` (Soft MoE), a
+    ``sparse_routing.SparseLayout`` (sparse V-MoE), or None when it has none."""
+    from . import sparse_routing
+
+    return layout_for(cfg) or sparse_routing.layout_for(cfg)
+
+
+def outputs_of(layout: Any) -> tuple[str, ...]:
+    """The extra outputs of the routing graph of ``layout``'s model, after the plain ones."""
+    from . import sparse_routing
+
+    return OUTPUTS if isinstance(layout, Layout) else sparse_routing.OUTPUTS
+
+
+def stats_of(layout: Any) -> tuple[str, ...]:
+    """The per-image statistics among them (the server keeps these from sampled calls)."""
+    from . import sparse_routing
+
+    return STATS if isinstance(layout, Layout) else sparse_routing.STATS
+
+
+def any_routing_of(model: torch.nn.Module, pixels: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
+    """``routing_of`` or ``sparse_routing.routing_of``, by the model's MoE layers."""
+    from . import sparse_routing
+
+    return routing_of(model, pixels) if layout_for(model.cfg) is not None else sparse_routing.routing_of(model, pixels)
+
+
+def any_image_routing(layout: Any, outputs: dict[str, np.ndarray], layers: Sequence[int] | None = None) -> list[dict]:
+    """``image_routing`` or ``sparse_routing.image_routing``, by ``layout``'s kind."""
+    from . import sparse_routing
+
+    if isinstance(layout, Layout):
+        return image_routing(layout, outputs, layers)
+    return sparse_routing.image_routing(layout, outputs, layers)
 
 
 # ------------------------------------------------------------------ in the graph (torch)
@@ -272,14 +310,14 @@ def js_divergence(p: np.ndarray, q: np.ndarray) -> float:
 
 def compute_profile(model: torch.nn.Module, pixels: np.ndarray, source: str, batch: int = 64) -> dict[str, Any]:
     """The reference routing profile of ``model`` on calibration ``pixels`` ``(N, 3, H, W)``."""
+    layout = any_layout(model.cfg)
+    assert layout is not None, "the model has no MoE image layers"
     parts: dict[str, list[np.ndarray]] = {k: [] for k in STATS}
     for start in range(0, len(pixels), batch):
-        out = routing_of(model, pixels[start:start + batch])
+        out = any_routing_of(model, pixels[start:start + batch])
         for k in STATS:
             parts[k].append(out[k])
     hd, hc, share = (np.concatenate(parts[k]).astype(np.float64) for k in STATS)  # (N, L), (N, L), (N, L, n)
-    layout = layout_for(model.cfg)
-    assert layout is not None, "the model has no Soft MoE image layers"
 
     def r(a: np.ndarray) -> list:
         return np.vectorize(lambda v: float(f"{v:.7g}"))(a).tolist()
@@ -290,7 +328,7 @@ def compute_profile(model: torch.nn.Module, pixels: np.ndarray, source: str, bat
         "calibration": {"source": source, "images": int(len(pixels))},
         "layers": list(layout.layers),
         "num_experts": layout.num_experts,
-        "slots_per_expert": layout.slots_per_expert,
+        **({"slots_per_expert": layout.slots_per_expert} if isinstance(layout, Layout) else {"router": layout.router}),
         "expert_share": {"mean": r(share.mean(0)), "var": r(share.var(0))},
         "dispatch_entropy": {"mean": r(hd.mean(0)), "std": r(hd.std(0))},
         "combine_entropy": {"mean": r(hc.mean(0)), "std": r(hc.std(0))},

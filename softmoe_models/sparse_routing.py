@@ -12,6 +12,16 @@ group, so none of this depends on the image's batch-mates):
                                choices dropped (or untaken) gets no MoE output: its residual alone
     expert_load      (E,)      the image's tokens each expert processed (at most its capacity)
 
+Statistics per image and layer, under the Soft MoE names so the server's histograms, window and
+drift take them unchanged (``STATS``):
+
+    dispatch_entropy  mean over the experts that took any token of H(C[:, e] / sum_t C[t, e]) / log m:
+                      how evenly an expert's combine mass spreads over the image's tokens
+    combine_entropy   mean over tokens of H(C[t, :]) / log E (a dropped token's row is 0: entropy 0)
+    expert_share      (E,) sum_t C[t, e] / sum C: expert e's share of the layer's combine mass
+    dropped_choices   the token choices that found no room (Experts Choice: the untaken tokens),
+                      out of ``layout.choices`` per image
+
 The plain forward pass keeps none of this: ``routing_of`` runs the model with the layers'
 capture switched on (soft_moe.capture_routing, shared with the Soft MoE layers).
 """
@@ -21,11 +31,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import math
+
 import numpy as np
 import torch
 
-# The routing outputs, per image ``(L, ...)`` (names are the wire contract, as routing.OUTPUTS).
-OUTPUTS = ("combine_weights", "dropped", "expert_load")
+# The routing outputs, per image ``(L, ...)`` (names are the wire contract, as routing.OUTPUTS):
+# the maps, then the statistics.
+STATS = ("dispatch_entropy", "combine_entropy", "expert_share", "dropped_choices")
+OUTPUTS = ("combine_weights", "dropped", "expert_load", *STATS)
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,11 @@ class SparseLayout:
     @property
     def tokens(self) -> int:
         return self.grid * self.grid + (1 if self.cls else 0)
+
+    @property
+    def choices(self) -> int:
+        """Token choices per image and layer that may be dropped: m K (Experts Choice: m tokens)."""
+        return self.tokens * self.experts_per_token
 
 
 def layout_for(cfg: Any) -> SparseLayout | None:
@@ -71,6 +90,22 @@ def stack_routing(layers: Sequence[torch.nn.Module]) -> tuple[torch.Tensor, torc
     return combine, dropped, load
 
 
+def routing_statistics(combine: torch.Tensor, dropped: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(B, L, m, E)`` combine weights and ``(B, L, m)`` dropped counts -> dispatch_entropy,
+    combine_entropy ``(B, L)``, expert_share ``(B, L, E)``, dropped_choices ``(B, L)`` (float32)."""
+    m, e = combine.shape[-2], combine.shape[-1]
+    tiny = torch.finfo(torch.float32).tiny
+    mass = combine.sum(dim=2)  # (B, L, E)
+    p = combine / mass.clamp_min(tiny).unsqueeze(2)
+    per_expert = -(p * p.clamp_min(tiny).log()).sum(dim=2) / max(math.log(m), 1e-12)  # (B, L, E)
+    used = (mass > 0).float()
+    h_dispatch = (per_expert * used).sum(dim=-1) / used.sum(dim=-1).clamp_min(1)
+    h_combine = -(combine * combine.clamp_min(tiny).log()).sum(dim=3).mean(dim=2) / max(math.log(e), 1e-12)
+    share = mass / mass.sum(dim=-1, keepdim=True).clamp_min(tiny)
+    return h_dispatch, h_combine, share, dropped.sum(dim=2).float()
+
+
 @torch.no_grad()
 def routing_of(model: torch.nn.Module, pixels: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
     """The torch model's own sparse routing for a batch of pixel values: every name in ``OUTPUTS``,
@@ -85,8 +120,9 @@ def routing_of(model: torch.nn.Module, pixels: np.ndarray | torch.Tensor) -> dic
     x = torch.as_tensor(pixels, dtype=torch.float32)
     with capture_routing(layers):
         image(x.to(next(image.parameters()).dtype))
-        stacked = stack_routing(layers)
-    return {k: v.numpy() for k, v in zip(OUTPUTS, stacked)}
+        combine, dropped, load = stack_routing(layers)
+    stats = routing_statistics(combine, dropped)
+    return {k: v.numpy() for k, v in zip(OUTPUTS, (combine, dropped, load, *stats))}
 
 
 # ------------------------------------------------------------------ per image, for clients
@@ -95,17 +131,10 @@ def routing_of(model: torch.nn.Module, pixels: np.ndarray | torch.Tensor) -> dic
 def image_routing(layout: SparseLayout, outputs: dict[str, np.ndarray], layers: Sequence[int] | None = None
                   ) -> list[dict]:
     """One image's sparse routing as JSON-ready dicts, one per sparse MoE layer (``layers``: block
-    indices to keep, default all): ``combine[row][col][expert]``, ``dropped[row][col]``,
-    ``expert_load[expert]``, the layer's totals, and ``cls_combine`` / ``cls_dropped`` when there
-    is a cls token.
-
-    Args:
-        layout: the model's sparse routing layout.
-        outputs: the image's routing outputs (``combine_weights`` ``(L, m, E)``, ``dropped``
-            ``(L, m)``, ``expert_load`` ``(L, E)``).
-        layers: block indices to keep (default all).
-    """
-    g, off = layout.grid, 1 if layout.cls else 0
+    indices to keep, default all): ``combine[token][expert]`` (the cls token first when the model
+    has one, then the patches row-major; 0 where the token was not dispatched), ``dropped[token]``
+    (its choices that found no room; Experts Choice: 1 when no expert took it), ``expert_load``
+    (tokens per expert), the layer's totals and statistics."""
     keep = set(layout.layers if layers is None else layers)
     out = []
     for i, block in enumerate(layout.layers):
@@ -113,16 +142,16 @@ def image_routing(layout: SparseLayout, outputs: dict[str, np.ndarray], layers: 
             continue
         c = np.asarray(outputs["combine_weights"][i], dtype=np.float32)  # (m, E)
         dropped = np.asarray(outputs["dropped"][i], dtype=np.int64)  # (m,)
-        entry: dict[str, Any] = {
+        out.append({
             "layer": block,
             "router": layout.router,
-            "combine": c[off:].reshape(g, g, layout.num_experts).tolist(),
-            "dropped": dropped[off:].reshape(g, g).tolist(),
+            "combine": c.tolist(),
+            "dropped": dropped.tolist(),
             "expert_load": np.asarray(outputs["expert_load"][i], dtype=np.int64).tolist(),
             "dropped_total": int(dropped.sum()),
             "tokens_without_expert": int((dropped == layout.experts_per_token).sum()),  # residual alone
-        }
-        if layout.cls:
-            entry["cls_combine"], entry["cls_dropped"] = c[0].tolist(), int(dropped[0])
-        out.append(entry)
+            "dispatch_entropy": float(outputs["dispatch_entropy"][i]),
+            "combine_entropy": float(outputs["combine_entropy"][i]),
+            "expert_share": np.asarray(outputs["expert_share"][i], dtype=np.float32).tolist(),
+        })
     return out

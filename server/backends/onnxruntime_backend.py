@@ -16,7 +16,8 @@ import numpy as np
 from export.onnx import read_metadata
 from export.runtime import ort_session
 
-from softmoe_models.routing import OUTPUTS as ROUTING_OUTPUTS
+from softmoe_models.routing import OUTPUTS as SOFT_ROUTING_OUTPUTS
+from softmoe_models.sparse_routing import OUTPUTS as SPARSE_ROUTING_OUTPUTS
 
 from .base import ROUTING, FunctionSpec, InputSpec, Rows, all_functions, warm
 
@@ -42,6 +43,7 @@ GRAPH_FORMAT = 3
 # weights: about 4 GB more). The child costs a first start a few seconds of imports.
 # loadtests/export_memory.py compares the two ways by setting it.
 EXPORT_IN_CHILD_BYTES = 0
+ROUTING_OUTPUTS = frozenset(SOFT_ROUTING_OUTPUTS) | frozenset(SPARSE_ROUTING_OUTPUTS)  # a routing graph's, after the plain ones
 
 
 def exported_files(package: Path, cache_dir: str, precision: str, log=print, device: str = "cpu",

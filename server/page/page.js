@@ -5,7 +5,7 @@
 const API = {models: "v1/models", classify: "v1/classify", zeroShot: "v1/zero-shot", routing: "v1/routing"};
 const STAGES = ["decode", "preprocess", "queue", "inference", "postprocess", "total"];
 const TOP_K = 5;          // labels shown per classification
-const SLOTS = 4;          // routing maps per Soft MoE layer, the most focused slots first
+const SLOTS = 4;          // routing maps per MoE layer: the most focused slots, or the most loaded experts
 const DEBOUNCE_MS = 300;  // the pause in typing labels after which zero-shot reruns
 const SMALL = 64;         // pictures narrower than this are drawn as blocky pixels, not blurred
 
@@ -157,7 +157,33 @@ function focusedSlots(dispatch, k) {
   return peaks.sort((a, b) => b.peak - a.peak || a.slot - b.slot).slice(0, k);
 }
 
+/** A sparse layer's experts that took the most of this image's tokens, then by index. */
+function loadedExperts(load, k) {
+  return load.map((n, expert) => ({expert, n})).filter(({n}) => n > 0)
+    .sort((a, b) => b.n - a.n || a.expert - b.expert).slice(0, k);
+}
+
+/** Sparse V-MoE: per layer, the combine weight each patch gets from the most loaded experts (0
+ * where the patch was not sent there), and how many token choices found no room. */
+function showSparseRouting(body) {
+  const [rows, cols] = body.grid, first = body.cls ? 1 : 0;
+  const layers = body.results[0].layers.map((layer) => {
+    const patches = layer.combine.slice(first);
+    const maps = loadedExperts(layer.expert_load, SLOTS).map(({expert, n}) => {
+      const map = Array.from({length: rows}, (_, r) => patches.slice(r * cols, (r + 1) * cols).map((t) => t[expert]));
+      return routingMap(map, `expert ${expert}, ${n} tokens`);
+    });
+    const title = `layer ${layer.layer}: ${layer.dropped_total} of ${body.tokens * body.experts_per_token} token ` +
+                  `choices dropped, ${layer.tokens_without_expert} tokens with no expert`;
+    return el("section", {className: "layer"}, el("h3", {textContent: title}), el("div", {className: "maps"}, ...maps));
+  });
+  const what = `${rows}x${cols} patches, ${body.num_experts} experts, ${body.router}` +
+               (body.router === "tokens-choice" ? `, ${body.experts_per_token} per token` : "");
+  $("routing").replaceChildren(el("p", {className: "note", textContent: `${body.model}: ${what}`}), ...layers);
+}
+
 function showRouting(body) {
+  if (body.router) return showSparseRouting(body);
   const perExpert = body.slots_per_expert;
   const layers = body.results[0].layers.map((layer) => {
     const maps = focusedSlots(layer.dispatch, SLOTS).map(({slot, peak}) => {

@@ -146,9 +146,11 @@ def test_dashboard_structure_and_coverage():
         "softmoe_routing_expert_share", "softmoe_routing_drift", "softmoe_routing_drift_baseline",  # routing
         "softmoe_routing_dispatch_entropy_sum", "softmoe_routing_combine_entropy_sum",
         "job_model:softmoe_routing_drift:ratio",
+        "softmoe_routing_dropped_choices_total", "softmoe_routing_token_choices_total",  # sparse V-MoE drops
     }
     assert wanted <= refs, wanted - refs
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
     for word in ("p50", "p95", "p99", "throughput", "batch size", "padding", "queue depth", "rejections",
-                 "status class", "ready", "gpu utilization", "framebuffer", "expert share", "drift", "entropy"):
+                 "status class", "ready", "gpu utilization", "framebuffer", "expert share", "drift", "entropy",
+                 "dropped"):
         assert word in titles, word

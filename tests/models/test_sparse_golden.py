@@ -280,10 +280,14 @@ def test_routing_information(name, cf, group):
     layout = layout_for(model.cfg)
     entries = image_routing(layout, {k_: v[0] for k_, v in out.items()})
     assert [entry["layer"] for entry in entries] == list(layout.layers)
-    grid = layout.grid
-    assert np.asarray(entries[0]["combine"]).shape == (grid, grid, layout.num_experts)
-    assert np.asarray(entries[0]["dropped"]).shape == (grid, grid)
+    assert np.asarray(entries[0]["combine"]).shape == (layout.tokens, layout.num_experts)  # cls first
+    assert np.array_equal(np.asarray(entries[0]["combine"], np.float32), out["combine_weights"][0, 0])
+    assert entries[0]["dropped"] == out["dropped"][0, 0].tolist()
     assert sum(entries[0]["expert_load"]) == int(out["expert_load"][0, 0].sum())
+    # the statistics: shares of the combine mass, and the drops they count
+    assert np.allclose(out["expert_share"].sum(-1), 1, atol=1e-5)
+    assert np.array_equal(out["dropped_choices"], out["dropped"].sum(-1).astype(np.float32))
+    assert ((0 <= out["dispatch_entropy"]) & (out["dispatch_entropy"] <= 1 + 1e-6)).all()
 
 
 # ---------------------------------------------------------------- grouping and batch dependence

@@ -145,7 +145,7 @@ def test_png_in_every_body_form(client):
 
 def test_refusals(client):
     r = client.post("/v1/routing", json={"images": [b64(_digit_pngs(1)[0])], "layers": [0]})
-    assert r.status_code == 422 and "not Soft MoE layers" in r.json()["error"]["message"]
+    assert r.status_code == 422 and "are not MoE layers" in r.json()["error"]["message"]
     r = client.post("/v1/routing", json={"images": [b64(_digit_pngs(1)[0])], "format": "gif"})
     assert r.status_code == 422
     r = client.post("/v1/routing", json={"model": "nope", "images": [b64(_digit_pngs(1)[0])]})
