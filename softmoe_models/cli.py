@@ -95,7 +95,9 @@ def cmd_convert(args: argparse.Namespace) -> None:
         raise CLIError(f"tokenizer file not found: {args.tokenizer}")
     pkg, notices = convert_checkpoint(
         args.src, args.out, labels=labels, tokenizer=args.tokenizer, head_activation=args.head_activation,
-        text_pool=args.text_pool, text_padding_mask=args.text_padding_mask,
+        text_pool=args.text_pool, text_padding_mask=args.text_padding_mask, preset=args.preset,
+        router=args.router, experts_per_token=args.experts_per_token, capacity_factor=args.capacity_factor,
+        batch_priority=args.batch_priority, dispatch_dtype=args.dispatch_dtype,
     )
     for notice in notices:
         print(f"note: {notice}", file=sys.stderr)
@@ -170,6 +172,30 @@ def _add_variant_shape(p: argparse.ArgumentParser, num_classes: int, num_classes
     p.add_argument("--image-size", type=int, default=224)
 
 
+def _add_sparse_flags(p: argparse.ArgumentParser) -> None:
+    """What a sparse V-MoE checkpoint's parameters cannot show (softmoe_models/convert/sparse.py)."""
+    from .config import DISPATCH_DTYPES
+    from .convert.presets import PRESETS
+    from .convert.sparse import SPARSE_ROUTERS
+
+    g = p.add_argument_group("sparse V-MoE (checkpoints with Moe/Router/dense/kernel)")
+    g.add_argument("--preset", choices=list(PRESETS), metavar="NAME",
+                   help="a public V-MoE checkpoint (gs://vmoe_checkpoints/NAME): sets router, K, batch priority and "
+                        "the evaluation capacity factor of its vmoe config and checks the sizes; E³ (eee_*) is "
+                        f"refused. One of: {', '.join(PRESETS)}")
+    g.add_argument("--router", choices=SPARSE_ROUTERS,
+                   help="vmoe NoisyTopExpertsPerItemRouter (tokens-choice) or NoisyTopItemsPerExpertRouter "
+                        "(experts-choice); required for a sparse checkpoint unless --preset sets it")
+    g.add_argument("--experts-per-token", type=int, metavar="K",
+                   help="tokens-choice: experts per token (vmoe num_selected_experts); required unless --preset")
+    g.add_argument("--capacity-factor", type=float, metavar="CF",
+                   help="expert capacity factor at serving (default 4.0, vmoe's evaluation value, or the preset's)")
+    g.add_argument("--batch-priority", action=argparse.BooleanOptionalAction, default=None,
+                   help="tokens-choice: claims in descending top-1 gate order (default off, or the preset's)")
+    g.add_argument("--dispatch-dtype", choices=DISPATCH_DTYPES,
+                   help="float32 (default) or bfloat16: vmoe's Bfloat16Dispatcher, its exact outputs")
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Add this layer's subcommands to ``softmoe`` (or to ``python -m softmoe_models.cli``)."""
     p = sub.add_parser("models", help="list the model variants (the paper's size table)")
@@ -192,6 +218,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="Hugging Face SigLIP: mask the text padding in attention (on: as transformers does when "
                         "given the processor's attention_mask; off: as SigLIP was trained); auto: on when the "
                         "checkpoint's tokenizer returns an attention_mask (default)")
+    _add_sparse_flags(p)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("init", help="write a randomly initialised package of a variant")

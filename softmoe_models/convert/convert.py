@@ -7,12 +7,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import EncoderConfig, ModelConfig, TwoTowerConfig, ViTConfig
+from ..config import EncoderConfig, ModelConfig, MoEConfig, TwoTowerConfig, ViTConfig
 from ..models import build_model
 from .errors import ConversionError
 from .infer import infer_config
 from .mapping import TO_TORCH, entries
+from .presets import apply_preset, check_preset, get_preset
 from .readers import sha256_of
+from .sparse import E3_REFUSAL, SparseOptions
 
 Params = dict[str, np.ndarray]
 
@@ -84,6 +86,70 @@ def _encoder_for(cfg: ModelConfig, flax_key: str) -> EncoderConfig:
     return cfg.encoder
 
 
+def _moe_configs(cfg: ModelConfig) -> list[MoEConfig]:
+    encoders = [cfg.image.encoder, cfg.text.encoder] if isinstance(cfg, TwoTowerConfig) else [cfg.encoder]
+    return [e.moe for e in encoders if e.moe is not None]
+
+
+def resolve_config(
+    params: Params,
+    *,
+    text_pool: str | None = None,
+    preset: str | None = None,
+    sparse: SparseOptions | None = None,
+    source_name: str | None = None,
+) -> tuple[ModelConfig, list[str], dict[str, str]]:
+    """The model config of a vmoe parameter tree: what the parameters show, plus what they cannot
+    show (text pooling; a sparse V-MoE's routing) from the options and preset given.
+
+    Args:
+        params: the flat parameter tree (only names and shapes are read).
+        text_pool: the text tower's pooling (two-tower).
+        preset: a public V-MoE checkpoint's name (:data:`~softmoe_models.convert.presets.PRESETS`).
+        sparse: a sparse V-MoE's routing flags; with ``preset``, the evaluation ones override it.
+        source_name: the checkpoint's file or prefix name (vmoe's E³ checkpoints are ``eee_*``).
+
+    Returns:
+        The config, notices, and provenance entries (how the routing was chosen).
+
+    Raises:
+        ConversionError: one line: an option that contradicts the parameters or the preset, a
+            sparse checkpoint without its router, a preset the parameters do not match, E³.
+    """
+    given = sparse or SparseOptions()
+    given.check()
+    notices: list[str] = []
+    chosen = get_preset(preset) if preset is not None else None
+    if chosen is None and source_name and source_name.startswith("eee_"):
+        raise ConversionError(f"{source_name}: vmoe's eee_* checkpoints are E³ models; {E3_REFUSAL}")
+    options = given
+    if chosen is not None:
+        options, overridden = apply_preset(chosen, given)
+        notices += overridden
+    cfg = infer_config(params, text_pool=text_pool, sparse=options)
+    moes = _moe_configs(cfg)
+    is_sparse = any(m.sparse for m in moes)
+    provenance: dict[str, str] = {}
+    if chosen is not None:
+        if not isinstance(cfg, ViTConfig):
+            raise ConversionError(
+                f"--preset {chosen.name} is a V-MoE classifier; the checkpoint is a {type(cfg).__name__}")
+        check_preset(chosen, cfg)
+        provenance["preset"] = chosen.name
+    elif given.given() and not is_sparse:
+        flags = given.given()
+        what = "holds Soft MoE routers (Moe/Router/mu)" if moes else "has no MoE blocks"
+        raise ConversionError(
+            f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} for sparse V-MoE checkpoints "
+            f"(Moe/Router/dense/kernel); this checkpoint {what}")
+    if is_sparse:
+        parts = [f"preset {chosen.name}"] if chosen else []
+        if given.given():
+            parts.append(f"flags {', '.join(given.given())}")
+        provenance["routing"] = ", ".join(parts)
+    return cfg, notices, provenance
+
+
 def convert_checkpoint(
     src: str | Path,
     out: str | Path,
@@ -92,6 +158,13 @@ def convert_checkpoint(
     head_activation: str | None = None,
     text_pool: str | None = None,
     text_padding_mask: str = "auto",
+    *,
+    preset: str | None = None,
+    router: str | None = None,
+    experts_per_token: int | None = None,
+    capacity_factor: float | None = None,
+    batch_priority: bool | None = None,
+    dispatch_dtype: str | None = None,
 ) -> tuple[Path, list[str]]:
     """Convert a vmoe checkpoint (npz, legacy partitioned or orbax), or a Hugging Face SigLIP
     directory (:mod:`softmoe_models.convert.hf_siglip`), into a model package.
@@ -100,13 +173,20 @@ def convert_checkpoint(
         src: the checkpoint (see :func:`softmoe_models.convert.readers.read_checkpoint`), or a
             directory with a Hugging Face ``config.json``.
         out: the package directory to write.
-        labels: class names (classifiers).
+        labels: class names (classifiers); their count must be the head's.
         tokenizer: SentencePiece model of the text tower (two-tower).
         head_activation: 'softmax' or 'sigmoid' (classifiers; default softmax).
         text_pool: the text tower's pooling, vmoe ``TextTransformer.pool_type`` (two-tower).
             Required unless the parameters show it (only 'map' has parameters); an error if
             it contradicts them or if the checkpoint has no text tower.
         text_padding_mask: Hugging Face SigLIP only: auto | on | off (see ``convert_hf_siglip``).
+        preset: a public V-MoE checkpoint's name: sets its routing and checks its sizes
+            (:mod:`softmoe_models.convert.presets`).
+        router: sparse V-MoE only: 'tokens-choice' or 'experts-choice' (required unless ``preset``).
+        experts_per_token: K, tokens-choice (required unless ``preset``).
+        capacity_factor: sparse V-MoE: cf at serving (default 4.0, vmoe's evaluation value).
+        batch_priority: tokens-choice: batch priority routing (default off).
+        dispatch_dtype: sparse V-MoE: 'float32' (default) or 'bfloat16' (vmoe's dispatcher).
 
     Returns:
         The package directory and the notices collected on the way (ignored groups, ...).
@@ -116,7 +196,14 @@ def convert_checkpoint(
     from .readers import read_checkpoint
 
     src = Path(src)
+    sparse = SparseOptions(router=router, experts_per_token=experts_per_token,  # type: ignore[arg-type]
+                           capacity_factor=capacity_factor, batch_priority=batch_priority,
+                           dispatch_dtype=dispatch_dtype)  # values checked by SparseOptions.check
     if is_hf_directory(src):
+        if preset is not None or sparse.given():
+            flags = ["--preset"] * (preset is not None) + sparse.given()
+            raise ConversionError(f"{', '.join(flags)} {'is' if len(flags) == 1 else 'are'} for vmoe sparse V-MoE "
+                                  "checkpoints, not Hugging Face directories")
         return convert_hf_siglip(src, out, labels=labels, tokenizer=tokenizer, head_activation=head_activation,
                                  text_pool=text_pool, text_padding_mask=text_padding_mask)
     if src.is_file() and is_hf_directory(src.parent):
@@ -124,11 +211,20 @@ def convert_checkpoint(
     if text_padding_mask != "auto":
         raise ConversionError("--text-padding-mask applies to Hugging Face SigLIP directories only")
     params, notices, fmt = read_checkpoint(src)
-    cfg = infer_config(params, text_pool=text_pool)
+    cfg, more, routing = resolve_config(params, text_pool=text_pool, preset=preset, sparse=sparse,
+                                        source_name=src.name.removesuffix(".index"))
+    notices += more
+    n = getattr(cfg, "num_classes", None)
+    if labels is not None and n is not None and len(labels) != n:
+        raise ConversionError(f"{len(labels)} labels given for a model with {n} classes (--labels names every class, "
+                              "one per line)")
+    if labels is None and preset is not None and n:
+        notices.append(f"no --labels: the package has no class names; preset {preset}'s head predicts "
+                       f"{get_preset(preset).labels}'s {n} classes (pass their names, one per line)")
     state = params_to_state_dict(params, cfg)
     model = build_model(cfg, device="meta")
     model.load_state_dict(state, assign=True)
-    provenance = {"source": str(src), "format": fmt, "sha256": checkpoint_sha256(src, fmt)}
+    provenance = {"source": str(src), "format": fmt, "sha256": checkpoint_sha256(src, fmt), **routing}
     if isinstance(cfg, TwoTowerConfig):
         provenance["text_pool"] = "given" if text_pool is not None else "inferred from the parameters"
     pkg = save_package(

@@ -1,8 +1,9 @@
 """The one table between vmoe (flax) parameter paths and our PyTorch state-dict keys.
 
 Each entry is ``(flax path, torch key, layout)``; the layout names the tensor transform
-(vmoe-reference.md section 4). The table is built from a model config, so it is also the list
-of keys a checkpoint must hold: nothing missing, nothing left over.
+(vmoe-reference.md section 4; the sparse V-MoE router, vmoe-sparse-reference.md section 9). The
+table is built from a model config, so it is also the list of keys a checkpoint must hold: nothing
+missing, nothing left over.
 """
 
 from __future__ import annotations
@@ -85,8 +86,12 @@ def _encoder(f: str, t: str, cfg: EncoderConfig) -> Iterator[Entry]:
         yield from _attention(f"{fb}/SelfAttention", f"{tb}.attn", cfg.qk_norm)
         yield from _layer_norm(f"{fb}/LayerNorm_1", f"{tb}.norm2")
         if i in moe_layers:
-            yield f"{fb}/Moe/Router/mu", f"{tb}.mlp.mu", "same"
-            yield f"{fb}/Moe/Router/scale", f"{tb}.mlp.scale", "same"
+            assert cfg.moe is not None
+            if cfg.moe.sparse:  # vmoe's sparse routers: one bias-free Dense (D, E), kept as is
+                yield f"{fb}/Moe/Router/dense/kernel", f"{tb}.mlp.router", "same"
+            else:  # Soft MoE: slot parameters (D, n, p) and the normalisation scale
+                yield f"{fb}/Moe/Router/mu", f"{tb}.mlp.mu", "same"
+                yield f"{fb}/Moe/Router/scale", f"{tb}.mlp.scale", "same"
             yield f"{fb}/Moe/Mlp/Dense_0/kernel", f"{tb}.mlp.w1", "same"
             yield f"{fb}/Moe/Mlp/Dense_0/bias", f"{tb}.mlp.b1", "same"
             yield f"{fb}/Moe/Mlp/Dense_1/kernel", f"{tb}.mlp.w2", "same"
