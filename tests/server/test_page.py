@@ -244,3 +244,37 @@ def test_a_model_without_routing_says_so_in_one_line(browser):
         assert "\n" not in line[0] and not browser.find_elements("css selector", "#routing canvas")
         assert texts(browser, "#errors li") == []
         browser.get_log("browser")  # the 422 is logged by the browser itself
+
+
+def test_a_sparse_model_shows_its_experts_and_drops(browser, tmp_path):
+    """A sparse V-MoE package (converted from vmoe's golden Tokens Choice model): the page draws
+    its most loaded experts' combine weights over the picture and says how many choices dropped."""
+    import numpy as np
+
+    from conftest import SHARED
+    from helpers.images import png
+    from softmoe_models.convert import convert_checkpoint
+
+    src = SHARED / "golden" / "vmoe-sparse" / "vmoe_tc_e8k2.npz"
+    if not src.is_file():
+        pytest.skip(f"golden data not found at {src}")
+    package, _ = convert_checkpoint(src, tmp_path / "tc", router="tokens-choice", experts_per_token=2,
+                                    capacity_factor=1.05)
+    with np.load(src) as d:
+        image = tmp_path / "image.png"
+        image.write_bytes(png(d["inputs/images_uint8"][0]))
+    settings = Settings(models=[f"tc={package}"], backend="torch", cache_dir=str(tmp_path / "cache"))
+    with live_server(create_app(settings)) as sparse:
+        routing = httpx.post(f"{sparse}/v1/routing", params={"model": "tc"}, content=image.read_bytes(),
+                             headers={"content-type": "image/png"}, timeout=30).json()["results"][0]["layers"]
+        browser.get(f"{sparse}/")
+        browser.find_element("id", "file").send_keys(str(image))
+        wait(browser, lambda d: texts(d, "#predictions .label"), "the predictions")
+        maps = wait(browser, lambda d: d.find_elements("css selector", "#routing canvas.routing-map"), "expert maps")
+        titles = texts(browser, "#routing .layer h3")
+        assert len(titles) == len(routing) == 2
+        for title, layer in zip(titles, routing):
+            assert title.startswith(f"layer {layer['layer']}: {layer['dropped_total']} of 34 token choices dropped")
+        assert len(maps) == sum(min(4, sum(1 for n in layer["expert_load"] if n)) for layer in routing)
+        assert maps[0].get_attribute("width") == "4" and "tokens-choice" in texts(browser, "#routing .note")[0]
+        assert texts(browser, "#errors li") == [] and console_errors(browser) == []
