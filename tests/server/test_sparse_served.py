@@ -148,3 +148,23 @@ def test_drops_are_counted_and_png_is_refused(url):
     r = httpx.post(f"{url}/v1/routing", json={"model": "vmoe_ec_e4@1.05", "images": images[:1], "format": "png"},
                    timeout=60)
     assert r.status_code == 422 and "format json" in r.json()["error"]["message"]
+
+
+def test_a_reference_profile_and_drift_work_for_sparse_models(sparse_packages):
+    """`python -m softmoe_models.routing profile` on a sparse package: a profile the server accepts for
+    its layout, and a window of the calibration images themselves drifts by sampling noise only."""
+    from softmoe_models import routing
+    from softmoe_models.package import load_model
+
+    data = _golden("vmoe_tc_e8k2")
+    model = load_model(sparse_packages["vmoe_tc_e8k2@1.05"])
+    pixels = _pixels(data)
+    profile = routing.compute_profile(model, pixels, "golden images")
+    layout = routing.any_layout(model.cfg)
+    routing.check_profile(profile, layout)
+    assert profile["router"] == "tokens-choice" and profile["layers"] == [1, 3]
+    window = routing.Window(256, len(layout.layers), layout.num_experts)
+    window.add(routing.any_routing_of(model, pixels)["expert_share"])
+    assert window.drift(profile) < 1e-9  # the same images: the same mean shares
+    window.add(routing.any_routing_of(model, -pixels)["expert_share"])  # inverted images route otherwise
+    assert window.drift(profile) > 1e-4
