@@ -31,7 +31,7 @@ test: setup sysdeps
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"
 CPU_SENSITIVE := tests/models/test_batch_invariance.py tests/export/test_token_mean.py \
-	tests/server/test_routing.py::test_shipped_profile_is_reproducible
+	tests/server/test_routing.py::test_shipped_profile_is_reproducible tests/server/test_startup_line.py
 .PHONY: test-avx2 pytest-avx2 test-haswell
 # Haswell less the system features qemu's TCG does not emulate (each would print a warning).
 HASWELL := Haswell-noTSX,-pcid,-x2apic,-tsc-deadline,-invpcid

@@ -65,6 +65,7 @@ CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT8": "int_conte
             "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
             "UINT32": "uint_contents", "UINT64": "uint64_contents", "BOOL": "bool_contents", "BYTES": "bytes_contents"}
 HEALTH_POLL_S = 0.25
+RPC_HEADROOM = 32  # calls beyond --max-in-flight that gRPC itself admits (health, metadata)
 
 
 def messages() -> dict[str, type]:
@@ -360,7 +361,9 @@ async def start(app, host: str, port: int, reuse_port: bool = False) -> GrpcServ
     settings = app.state.settings
     options = [("grpc.max_receive_message_length", settings.max_body_bytes),
                ("grpc.so_reuseport", 1 if reuse_port else 0)]
-    server = aio.server(options=options, maximum_concurrent_rpcs=settings.max_in_flight)
+    # The door limits inference calls (a place before the message is read); gRPC's own cap is a
+    # backstop for every RPC, with room for health checks and metadata while inference is full.
+    server = aio.server(options=options, maximum_concurrent_rpcs=settings.max_in_flight + RPC_HEADROOM)
     server.add_generic_rpc_handlers((_handlers(app),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

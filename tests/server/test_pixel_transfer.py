@@ -111,7 +111,7 @@ def test_oip_contract_names_the_uint8_input(urls, packages):
     assert meta["parameters"]["pixel_transfer"] == "uint8"
     assert httpx.get(f"{plain}/v2/models/golden").json()["inputs"][0]["name"] == "pixel_values"
     lit = httpx.get(f"{uint8}/v2/models/lit").json()
-    assert {i["name"]: i["datatype"] for i in lit["inputs"]} == {"pixels": "UINT8", "input_ids": "INT64"}
+    assert {i["name"]: i["datatype"] for i in lit["inputs"]} == {"pixels": "UINT8", "input_ids": "INT64", "text": "BYTES"}
 
     image = np.random.default_rng(5).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
     x = np.stack([to_pixel_values(im, read_package(packages["golden"]).preprocess) for im in image])
