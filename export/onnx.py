@@ -7,8 +7,18 @@ in ONNX Runtime CPU, which prepacks constant 2-D weights) or one 3-D batched Mat
 projection (``batched``, the compact form for GPUs and TensorRT). No ``Einsum`` node survives;
 the exporter refuses to write a graph that has one.
 
+Sparse V-MoE packages (Tokens Choice, Experts Choice) export the fused path of
+``softmoe_models.sparse_moe``: TopK routing, gathers into per-expert buffers, batched expert
+matmuls, gathers (or, Experts Choice, a scatter-add) back, with no tokens x experts x capacity
+tensor; five of the exporter's forms are rewritten into ones TensorRT 10 takes
+(``export.op_support``). ``sparse_dispatch="einsum"`` exports vmoe's einsum reference instead,
+with its one-hot dispatch and combine tensors and ``Einsum`` nodes: for benchmarks only
+(``loadtests/sparse_bench.py``), never what a server loads.
+
 Every export is verified: ONNX Runtime runs the written file on fixed inputs at two batch sizes
-and the result is compared with PyTorch; over the precision's tolerance the export fails.
+and the result is compared with PyTorch; over the precision's tolerance the export fails. A
+sparse graph that routed a near-tie the other way is compared with PyTorch routed on the graph's
+own gates instead, its gates held to PyTorch's (``export.sparse_verify``).
 """
 
 from __future__ import annotations
@@ -28,11 +38,14 @@ import torch
 from softmoe_models.config import Precision
 from softmoe_models.package import Package, load_model, read_package
 from softmoe_models.soft_moe import configure_routing
+from softmoe_models.sparse_moe import configure_sparse_routing, sparse_moe_layers
 
 from .errors import ExportError
 from .graphs import Graph, graphs_for
+from .op_support import sparse_ops_for_tensorrt
 
 ExpertsForm = Literal["per-expert", "batched"]
+SparseDispatch = Literal["fused", "einsum"]  # sparse V-MoE layers: gathers (served) or vmoe's einsums (bench)
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SUPPORTED_OPSETS = range(18, 24)  # what the dynamo exporter and onnxscript's torchlib emit
 DEFAULT_OPSET = 20  # Gelu(approximate='tanh') exists from 20
@@ -54,14 +67,26 @@ class Verification:
     output: str
     max_abs_err: float
     tol: float
+    # Sparse graphs that routed a near-tie the other way (export.sparse_verify): max_abs_err is then
+    # against PyTorch routed on the graph's gates, own_routing_err against PyTorch's own routing,
+    # and gate_err how far the graph's gates were from those PyTorch computed (held to gate_tol).
+    own_routing_err: float | None = None
+    gate_err: float | None = None
+    gate_tol: float | None = None
 
     @property
     def ok(self) -> bool:
-        return self.max_abs_err <= self.tol
+        gates_ok = self.gate_err is None or self.gate_err <= self.gate_tol
+        return self.max_abs_err <= self.tol and gates_ok
 
     def line(self) -> str:
         flag = "ok" if self.ok else "FAILED"
-        return f"verify {self.output} batch {self.batch}: max abs err {self.max_abs_err:.2e} (tol {self.tol:.0e}) {flag}"
+        if self.own_routing_err is None:
+            return f"verify {self.output} batch {self.batch}: max abs err {self.max_abs_err:.2e} (tol {self.tol:.0e}) {flag}"
+        return (f"verify {self.output} batch {self.batch}: max abs err {self.own_routing_err:.2e} against PyTorch's own "
+                f"routing (a near-tie routed the other way), {self.max_abs_err:.2e} against PyTorch routed on the "
+                f"graph's gates, which are within {self.gate_err:.1e} of PyTorch's (tol {self.tol:.0e}, gates "
+                f"{self.gate_tol:.0e}) {flag}")
 
 
 @dataclass
@@ -74,7 +99,7 @@ class ExportedFile:
 
 
 def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph, weights_sha: str,
-              model=None) -> dict[str, str]:
+              model=None, sparse_dispatch: str | None = None) -> dict[str, str]:
     meta = {
         "format": "softmoe-onnx/1",
         "kind": pkg.kind,
@@ -88,6 +113,8 @@ def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Grap
         "preprocess": json.dumps(pkg.meta.get("preprocess")),
         "weights_sha256": weights_sha,
     }
+    if sparse_dispatch is not None:  # sparse V-MoE graphs only
+        meta["sparse_dispatch"] = sparse_dispatch
     if pkg.labels is not None:
         meta["labels"] = json.dumps(pkg.labels)
     if model is not None and hasattr(model, "logit_scale"):
@@ -145,8 +172,10 @@ def op_inventory(path: str | Path) -> dict[str, int]:
     return counts
 
 
-def _export_one(graph: Graph, path: Path, opset: int, dynamic: bool, metadata: dict[str, str], external: bool | None) -> Path | None:
-    """Run the dynamo exporter for one graph; returns the external data file, if any."""
+def _export_one(graph: Graph, path: Path, opset: int, dynamic: bool, metadata: dict[str, str], external: bool | None,
+                sparse: bool = False) -> Path | None:
+    """Run the dynamo exporter for one graph; returns the external data file, if any. ``sparse``:
+    the graph routes sparse V-MoE layers (``op_support.sparse_ops_for_tensorrt`` runs on it)."""
     from torch.export import Dim
 
     args = tuple(_trace_inputs(graph))
@@ -170,6 +199,8 @@ def _export_one(graph: Graph, path: Path, opset: int, dynamic: bool, metadata: d
             raise ExportError(f"torch.onnx export of the {graph.role} graph failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
     _fold_constant_gathers(program.model.graph)
     _token_means_as_matmuls(program.model.graph)
+    if sparse:
+        sparse_ops_for_tensorrt(program.model.graph)
     for key, value in metadata.items():
         program.model.metadata_props[key] = value
     program.model.graph.name = f"softmoe_{graph.role.replace('-', '_')}"
@@ -327,11 +358,40 @@ def verify(
             outs = session.run(graph.outputs, {k: v.numpy() for k, v in feeds.items()})
         except Exception as e:
             raise ExportError(f"{path}: ONNX Runtime could not run the exported graph: {str(e).splitlines()[0][:300]}") from None
-        for name, got, want in zip(graph.outputs, outs, refs):
-            want_np = want.numpy()
-            err = float(abs(got.astype("float64") - want_np).max()) if got.shape == want_np.shape else float("inf")
-            results.append(Verification(batch, name, err, tolerance(precision, float(abs(want_np).max()))))
+        checked = [_compare(batch, name, got, want.numpy(), precision) for name, got, want in zip(graph.outputs, outs, refs)]
+        if any(not v.ok for v in checked) and sparse_moe_layers(reference.module):
+            checked = _routed_on_graph_gates(path, graph, reference, feeds, outs, checked, precision, providers)
+        results += checked
     return results
+
+
+def _compare(batch: int, name: str, got, want, precision: str) -> Verification:
+    err = float(abs(got.astype("float64") - want).max()) if got.shape == want.shape else float("inf")
+    return Verification(batch, name, err, tolerance(precision, float(abs(want).max())))
+
+
+def _routed_on_graph_gates(path: Path, graph: Graph, reference: Graph, feeds: dict[str, torch.Tensor], outs,
+                           checked: list[Verification], precision: str, providers: list[str] | None
+                           ) -> list[Verification]:
+    """A sparse graph off PyTorch: PyTorch again, routed on the graph's own gates
+    (``export.sparse_verify``); ``checked`` as it was when the graph's gates cannot be read."""
+    from . import sparse_verify
+
+    layers = sparse_moe_layers(reference.module)
+    names = sparse_verify.gate_values(path)
+    if len(names) != len(layers):
+        return checked
+    gates = sparse_verify.graph_gates(path, {k: v.numpy() for k, v in feeds.items()}, names, providers)
+    own_gap: list[float] = []
+    with torch.no_grad(), sparse_verify.routed_on(layers, gates, own_gap):
+        ref = reference.module(*[feeds[s.name] for s in graph.inputs])
+    refs = ref if isinstance(ref, tuple) else (ref,)
+    gate_err, gate_tol = max(own_gap), tolerance(precision, 1.0)
+    out = []
+    for before, got, want in zip(checked, outs, refs):
+        v = _compare(before.batch, before.output, got, want.numpy(), precision)
+        out.append(Verification(v.batch, v.output, v.max_abs_err, v.tol, before.max_abs_err, gate_err, gate_tol))
+    return out
 
 
 def _out_paths(out: Path, roles: list[str]) -> dict[str, Path]:
@@ -356,6 +416,7 @@ def export_onnx(
     external_data: bool | None = None,
     verify_batches: tuple[int, ...] = (1, 4),
     routing: bool = False,
+    sparse_dispatch: SparseDispatch = "fused",
     log=print,
 ) -> list[ExportedFile]:
     """Export ``package`` to ONNX and verify it; returns what was written.
@@ -373,11 +434,16 @@ def export_onnx(
         verify_batches: batch sizes ONNX Runtime is checked at (static batch: the trace batch).
         routing: also write ``M.routing.onnx``: the image graph's outputs plus every Soft MoE
             layer's dispatch and combine weights and statistics (``export.graphs.RoutingGraph``;
-            image models with Soft MoE layers only). The plain graphs are the same either way.
+            sparse V-MoE layers: ``SparseRoutingGraph``; image models with MoE layers only). The
+            plain graphs are the same either way.
+        sparse_dispatch: sparse V-MoE packages only: ``fused`` (gathers, no tokens x experts x
+            capacity tensor: what is served) or ``einsum`` (vmoe's reference einsums, Einsum nodes
+            allowed: for benchmarks that compare the two, never served).
         log: where progress lines go.
 
     Raises:
-        ExportError: bad arguments, exporter failure, an Einsum in the graph, failed verification.
+        ExportError: bad arguments, exporter failure, an Einsum in the graph (unless
+            ``sparse_dispatch="einsum"``), failed verification.
     """
     if opset not in SUPPORTED_OPSETS:
         raise ExportError(f"unsupported opset {opset}: use {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
@@ -385,6 +451,8 @@ def export_onnx(
         raise ExportError(f"unknown precision {precision!r}: use fp32, fp16 or bf16")
     if experts not in ("per-expert", "batched"):
         raise ExportError(f"unknown experts form {experts!r}: use per-expert or batched")
+    if sparse_dispatch not in ("fused", "einsum"):
+        raise ExportError(f"unknown sparse dispatch {sparse_dispatch!r}: use fused or einsum")
     providers = _verify_providers(precision)
     package = Path(package)
     if not package.exists():
@@ -398,6 +466,10 @@ def export_onnx(
     reference_graphs = graphs_for(model, torch.float32)
     export_model = model if precision == "fp32" else load_model(package, fused=True, dtype=dtype)
     configure_routing(export_model, experts_form="batched" if experts == "batched" else "per_expert")
+    sparse = bool(sparse_moe_layers(model))
+    if sparse_dispatch != "fused" and not sparse:
+        raise ExportError(f"sparse_dispatch={sparse_dispatch!r} is for sparse V-MoE packages; {package} has none")
+    configure_sparse_routing(export_model, fused=sparse_dispatch == "fused")
     graphs = graphs_for(export_model, dtype)
     if not routing:
         graphs.pop("routing", None)
@@ -413,14 +485,15 @@ def export_onnx(
     for role, graph in graphs.items():
         path = paths[role]
         t0 = time.perf_counter()
-        data = _export_one(graph, path, opset, dynamic_batch, _metadata(pkg, role, precision, experts, graph, weights_sha, model),
-                           external_data)
+        meta = _metadata(pkg, role, precision, experts, graph, weights_sha, model, sparse_dispatch if sparse else None)
+        data = _export_one(graph, path, opset, dynamic_batch, meta, external_data, sparse)
         ops = op_inventory(path)
-        if "Einsum" in ops:
+        if "Einsum" in ops and sparse_dispatch != "einsum":
             path.unlink(missing_ok=True)
             raise ExportError(f"{path}: the exported graph contains {ops['Einsum']} Einsum node(s); refusing to write it")
         _check(path)
-        log(f"wrote {path} ({role}, opset {opset}, {precision}, experts {experts}, {sum(ops.values())} nodes, "
+        form = f", {sparse_dispatch} sparse dispatch" if sparse else ""
+        log(f"wrote {path} ({role}, opset {opset}, {precision}, experts {experts}{form}, {sum(ops.values())} nodes, "
             f"{'external data ' + data.name if data else 'weights inline'}, {time.perf_counter() - t0:.1f}s)")
         results = verify(path, graph, reference_graphs[role], precision, batches, vocab, providers)
         for r in results:

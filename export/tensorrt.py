@@ -7,9 +7,10 @@ calls (against a recording stand-in of the API), and the error when the extra is
 
 Flow: package -> ONNX at the engine's precision with batched experts (verified by
 ``export.onnx``; fp16/bf16 graphs keep the Soft MoE normalisation, softmaxes and LayerNorms in
-fp32 by explicit Casts) -> a strongly typed network (the graph's types decide; no weak-typing
-precision flags) with one optimization profile over the batch dimension, a persistent timing
-cache, TF32 off -> engine cached under a key of (weights sha256, TensorRT version, GPU name,
+fp32 by explicit Casts; sparse V-MoE routing in the ops and types TensorRT 10 imports,
+``export.op_support``, checked again before the build) -> a strongly typed network (the graph's
+types decide; no weak-typing precision flags) with one optimization profile over the batch
+dimension, a persistent timing cache, TF32 off -> engine cached under a key of (weights sha256, TensorRT version, GPU name,
 compute capability, precision, profile, plus config.json, exporter versions and the ONNX
 settings) -> verification of the engine against fp32 PyTorch at the profile's min, opt and max
 batch, text engines on the package's tokenizer applied to real prompts -> only then published.
@@ -106,6 +107,16 @@ def gpu_identity() -> tuple[str, str]:
 
 
 
+def init_plugins(trt: Any, logger: Any) -> None:
+    """Register TensorRT's standard plugins (libnvinfer_plugin) with its plugin registry, once per
+    process: the ONNX parser takes ``ScatterElements`` with a reduction (Experts Choice's combine,
+    ``export.op_support``) as the standard ``ScatterElements`` plugin, and an engine holding it
+    deserializes only where the plugin is registered."""
+    register = getattr(trt, "init_libnvinfer_plugins", None)  # absent only in test stand-ins of the API
+    if register is not None:
+        register(logger, "")
+
+
 def build_engine(
     trt: Any,
     onnx_path: Path,
@@ -136,6 +147,7 @@ def build_engine(
         log: where progress lines go.
     """
     logger = trt.Logger(trt.Logger.WARNING)
+    init_plugins(trt, logger)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
@@ -186,7 +198,9 @@ class EngineRunner:
         import torch
 
         self.trt, self.torch = trt, torch
-        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        logger = trt.Logger(trt.Logger.WARNING)
+        init_plugins(trt, logger)
+        self.runtime = trt.Runtime(logger)
         self.engine = self.runtime.deserialize_cuda_engine(engine_bytes)
         if self.engine is None:
             raise ExportError("TensorRT could not deserialize the engine (built for another GPU or version?)")
@@ -254,6 +268,7 @@ def export_tensorrt(
 
     from . import cache
     from .onnx import DEFAULT_OPSET, export_onnx, tolerance
+    from .op_support import tensorrt_plugins, tensorrt_problems
 
     pkg = read_package(package)
     digests = cache.package_digests(package)
@@ -291,6 +306,12 @@ def export_tensorrt(
         names = []
         for role, key in keys.items():
             onnx_path = exported[role].path
+            problems = tensorrt_problems(onnx_path)
+            if problems:  # before minutes of building: what TensorRT 10's parser would refuse
+                raise ExportError(f"{onnx_path.name} has what TensorRT 10 does not take: {'; '.join(problems[:5])}")
+            plugins = tensorrt_plugins(onnx_path)
+            if plugins:
+                log(f"{onnx_path.name} uses TensorRT's standard plugin(s) {', '.join(plugins)} (libnvinfer_plugin)")
             engine = tmp / key.file_name()
             engine.write_bytes(build_engine(trt, onnx_path, engine_inputs(onnx_path), precision, profile,
                                             key.workspace_bytes, timing, log=log))

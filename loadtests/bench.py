@@ -49,6 +49,11 @@ object with every ratio):
              (loadtests/spin_bench.py).
   memory     Resident memory of every server process over the weights' bytes, soft-s16-e128 with
              defaults, a first start (exporting) and a cached one (loadtests/memory_bench.py).
+  sparse     Sparse V-MoE beside Soft MoE at the same size: soft-s16-e128 vs tc-s16-e128-k1 (Tokens
+             Choice) and ec-s16-e128 (Experts Choice) behind `softmoe serve` with defaults, images/s
+             at saturation and p50 at concurrency 1 as sparse over soft (every server alive together
+             where the memory holds them, else one at a time); then each sparse model's fused ONNX
+             graph vs vmoe's einsum form, ONNX Runtime alone at batch 8 (loadtests/sparse_bench.py).
   layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
              eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
@@ -469,7 +474,7 @@ GOALS = {  # key: (comparison, target); the last four are issue 14's
     "rss_over_weights": ("<=", 1.35),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "grpc", "attack", "concurrent", "spinning", "memory", "layers", "gpu")
+            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "layers", "gpu")
 
 
 def _positive(kind):
@@ -485,7 +490,7 @@ def _positive(kind):
 
 def main(argv: list[str] | None = None) -> None:
     from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, grpc_bench, invariance_bench, memory_bench,
-                           peers_bench, protocol_cost, spin_bench)
+                           peers_bench, protocol_cost, sparse_bench, spin_bench)
     from loadtests.peers.common import SESSIONS
 
     argv = sys.argv[1:] if argv is None else argv
@@ -538,6 +543,7 @@ def main(argv: list[str] | None = None) -> None:
             "concurrent": lambda: concurrent_bench.section(mode, Path(tmp)),
             "spinning": lambda: spin_bench.section(mode, Path(tmp)),
             "memory": lambda: memory_bench.section(mode, Path(tmp)),
+            "sparse": lambda: sparse_bench.section(mode, Path(tmp)),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

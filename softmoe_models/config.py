@@ -1,7 +1,8 @@
 """Model configurations: frozen dataclasses, saved next to the weights and checked on load.
 
 Sizes live in one table, ``VARIANTS``, with the paper's models (Puigcerver et al., Table 1) and
-vmoe's Soft MoE settings: MoE in the last half of the blocks, one slot per expert.
+vmoe's Soft MoE settings: MoE in the last half of the blocks, one slot per expert; and the sparse
+Tokens Choice and Experts Choice models the paper compares with Soft MoE S/16.
 """
 
 from __future__ import annotations
@@ -353,6 +354,17 @@ _WIDTHS: dict[str, tuple[int, int, int, int]] = {
 }
 
 
+# Capacity rounding of the sparse routers (vmoe capacity_ceil_or_round, capacity_multiple_of):
+# tokens choice keeps vmoe's compute_capacity defaults, which every vmoe_paper config leaves as they
+# are; experts choice rounds to a multiple of 1, as vmoe's only experts-choice config
+# (projects/soft_moe/configs/common.py) sets (ceil to a multiple of 4 can ask a group for more
+# tokens than it has). Also softmoe_models.convert.sparse.
+SPARSE_CAPACITY_ROUNDING: dict[str, tuple[CapacityRounding, int]] = {
+    "tokens-choice": ("ceil", 4),
+    "experts-choice": ("round", 1),
+}
+
+
 @dataclass(frozen=True)
 class Variant:
     """One row of the size table."""
@@ -364,15 +376,24 @@ class Variant:
     moe_last_n: int = 0  # MoE in the last n blocks
     paper_params: str | None = None  # Table 1 of the paper (29,593-class JFT head)
     notes: str = field(default="", compare=False)
+    router: Router = "soft"  # the MoE blocks' router (ROUTERS); sparse: vmoe's, evaluated as vmoe does
+    experts_per_token: int | None = None  # K, tokens-choice only
+    capacity_factor: float = 4.0  # sparse only: vmoe_paper's evaluation capacity factor
 
     def config(self, num_classes: int | None = 1000, image_size: int = 224) -> ViTConfig:
         d, layers, m, h = _WIDTHS[self.width]
         moe = None
         if self.num_experts:
+            routing: dict[str, Any] = {"slots_per_expert": 1}
+            if self.router != "soft":
+                rounding, multiple_of = SPARSE_CAPACITY_ROUNDING[self.router]
+                routing = dict(router=self.router, experts_per_token=self.experts_per_token,
+                               capacity_factor=self.capacity_factor, capacity_rounding=rounding,
+                               capacity_multiple_of=multiple_of)
             moe = MoEConfig(
                 layers=tuple(range(layers))[-self.moe_last_n :],
                 num_experts=self.num_experts,
-                slots_per_expert=1,
+                **routing,
             )
         enc = EncoderConfig(d, layers, h, m, qk_norm=True, moe=moe)
         return ViTConfig(enc, image_size=image_size, patch_size=self.patch_size, num_classes=num_classes)
@@ -390,6 +411,14 @@ VARIANTS: dict[str, Variant] = {
         Variant("soft-b16-e128", "B", 16, 128, 6, paper_params="3.7B"),
         Variant("soft-l16-e128", "L", 16, 128, 12, paper_params="13.1B"),
         Variant("soft-h14-e256", "H", 14, 256, 16),
+        # The sparse baselines the paper compares Soft MoE S/16 with (Tokens Choice, Experts
+        # Choice) at its size: the same backbone, 128 experts in the same last 6 blocks, a (d, E)
+        # router where Soft MoE holds its slots. Capacity factor 4.0, vmoe_paper's
+        # evaluation value (the reference docs here do not state the paper's); a one-image
+        # routing group of 196 tokens gives C = 8 (K=1), 16 (K=2), 6 (experts choice).
+        Variant("tc-s16-e128-k1", "S", 16, 128, 6, router="tokens-choice", experts_per_token=1),
+        Variant("tc-s16-e128-k2", "S", 16, 128, 6, router="tokens-choice", experts_per_token=2),
+        Variant("ec-s16-e128", "S", 16, 128, 6, router="experts-choice"),
     ]
 }
 

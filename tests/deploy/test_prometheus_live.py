@@ -199,7 +199,22 @@ def test_rules_dashboard_and_adapter_query_on_a_real_prometheus(tmp_path):
     assert len(gpu_only) == 2 and len(must_have_data) > 20
 
     # Routing statistics from every call (not 1 in 16), so the routing panels fill within the test.
-    with live_server(create_app(Settings(max_queue=MAX_QUEUE, routing_stats_sample=1))) as url, Traffic(url) as traffic:
+    # Beside the built-in models a sparse V-MoE package (vmoe's golden Tokens Choice model), whose
+    # drop counters the sparse panel divides.
+    from conftest import SHARED
+    from server.default_model import default_packages
+    from softmoe_models.convert import convert_checkpoint
+
+    models = default_packages()
+    sparse = SHARED / "golden" / "vmoe-sparse" / "vmoe_tc_e8k2.npz"
+    if sparse.is_file():
+        package, _ = convert_checkpoint(sparse, tmp_path / "sparse", router="tokens-choice", experts_per_token=2,
+                                        capacity_factor=1.05)
+        models.append(f"sparse={package}")
+    else:
+        must_have_data = [(w, e) for w, e in must_have_data if "dropped_choices" not in e]
+    settings = Settings(models=models, max_queue=MAX_QUEUE, routing_stats_sample=1, cache_dir=str(tmp_path / "cache"))
+    with live_server(create_app(settings)) as url, Traffic(url) as traffic:
         target = url.removeprefix("http://")
         with prometheus(tmp_path, target) as prom:
             t0 = time.monotonic()

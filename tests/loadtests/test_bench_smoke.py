@@ -52,6 +52,11 @@ KEYS = (
     "oip_grpc_img_per_s_b8", "oip_http_json_img_per_s_b8", "oip_http_binary_img_per_s_b8",
     "oip_grpc_server_cpu_ms_per_img_b1", "oip_http_json_server_cpu_ms_per_img_b1",
     "oip_http_binary_server_cpu_ms_per_img_b1",
+    # sparse V-MoE (Tokens Choice, Experts Choice) served beside Soft MoE; fused vs einsum sparse export
+    "sparse_tc_over_soft_img_s", "sparse_ec_over_soft_img_s", "sparse_tc_over_soft_c1_p50",
+    "sparse_ec_over_soft_c1_p50", "sparse_tc_fused_over_einsum", "sparse_ec_fused_over_einsum",
+    "sparse_soft_img_s", "sparse_tc_img_s", "sparse_ec_img_s", "sparse_tc_forms_max_abs_diff",
+    "sparse_ec_forms_max_abs_diff",
     # the run
     "errors", "seconds",
 )

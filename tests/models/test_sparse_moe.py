@@ -3,6 +3,7 @@ path against the reference einsums, the routing rules on hand-made gates, and ro
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -183,8 +184,9 @@ def test_routing_capture_and_image_routing():
     assert layout is not None and layout.experts_per_token == 2 and layout_for(_vit()) is None
     (entry,) = image_routing(layout, {k: v[1] for k, v in out.items()})
     assert entry["layer"] == 1 and entry["router"] == "tokens-choice"
-    assert len(entry["combine"]) == 4 and len(entry["combine"][0][0]) == 4 and len(entry["cls_combine"]) == 4
-    assert entry["dropped_total"] == int(out["dropped"][1, 0].sum())
+    assert np.asarray(entry["combine"]).shape == (17, 4)  # the cls token first, then the 4 x 4 patches
+    assert entry["combine"] == out["combine_weights"][1, 0].tolist()
+    assert entry["dropped_total"] == int(out["dropped"][1, 0].sum()) == sum(entry["dropped"])
 
 
 def test_capture_is_shared_with_soft_moe_capture_routing():

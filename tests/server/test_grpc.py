@@ -22,7 +22,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from helpers.images import b64, png
-from helpers.live import free_port, stop_process
+from helpers.live import free_port, stop_process, wait_until
 from server.grpc_api import service as grpc_service
 
 tritonclient_grpc = pytest.importorskip("tritonclient.grpc")
@@ -54,6 +54,9 @@ class Served:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not start (exit {self.proc.poll()}):\n{self.log()[-3000:]}")
             time.sleep(0.1)
+        # the line comes just before uvicorn accepts: wait for HTTP to answer too
+        wait_until(f"{self.url}/v2/health/ready", max(1.0, deadline - time.monotonic()),
+                   lambda: self.proc.poll() is None)
 
     def client(self):
         return tritonclient_grpc.InferenceServerClient(self.target)
@@ -312,20 +315,28 @@ def _holding_call(target: str, release: threading.Event, result: queue.Queue) ->
     return thread
 
 
+def _in_flight(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(r"^softmoe_requests_in_flight (\S+)", text, re.M)[1])
+
+
 def test_overload_is_resource_exhausted_and_a_slow_sender_times_out(servers):
     tight = servers["tight"]
-    release, result = threading.Event(), queue.Queue()
-    thread = _holding_call(tight.target, release, result)
-    c = tight.client()
-    deadline = time.monotonic() + 10
-    while True:  # until the holding call has its place
-        try:
-            c.infer("digits", [_input(_pixels(1))])
-        except InferenceServerException as e:
-            assert e.status() == str(grpc.StatusCode.RESOURCE_EXHAUSTED) and "1 requests in flight" in e.message(), e
+    for _ in range(5):  # a holding call, alone on the server, until the door counts its place
+        release, result = threading.Event(), queue.Queue()
+        thread = _holding_call(tight.target, release, result)
+        deadline = time.monotonic() + 20
+        while _in_flight(tight.url) < 1 and result.empty() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _in_flight(tight.url) >= 1:
             break
-        assert time.monotonic() < deadline, "the holding call never held the place"
-        time.sleep(0.05)
+        release.set()
+    else:
+        pytest.fail("the holding call never held the place")
+    c = tight.client()
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("digits", [_input(_pixels(1))])
+    assert e.value.status() == str(grpc.StatusCode.RESOURCE_EXHAUSTED) and "1 requests in flight" in e.value.message()
     with grpc.insecure_channel(tight.target) as channel:  # health checks still pass while inference is full
         assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
             health_pb2.HealthCheckResponse.SERVING
