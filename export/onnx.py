@@ -42,7 +42,7 @@ from softmoe_models.sparse_moe import configure_sparse_routing, sparse_moe_layer
 
 from .errors import ExportError
 from .graphs import Graph, graphs_for
-from .op_support import sparse_ops_for_tensorrt
+from .op_support import replace_node, sparse_ops_for_tensorrt
 
 ExpertsForm = Literal["per-expert", "batched"]
 SparseDispatch = Literal["fused", "einsum"]  # sparse V-MoE layers: gathers (served) or vmoe's einsums (bench)
@@ -285,13 +285,7 @@ def _token_means_as_matmuls(graph) -> int:
             squeeze = ir.Node("", "Squeeze", [result, axis], name=f"{node.name}__squeeze")
             new_nodes.append(squeeze)
             result = squeeze.outputs[0]
-        graph.insert_before(node, new_nodes)
-        old = node.outputs[0]
-        result.shape, result.dtype = old.shape, old.dtype
-        name = old.name
-        ir.convenience.replace_all_uses_with(old, result, replace_graph_outputs=True)
-        graph.remove(node, safe=True)
-        result.name = name
+        replace_node(graph, node, new_nodes, result)
         count += 1
     return count
 

@@ -112,7 +112,7 @@ def _const(graph, name: str, array) -> Any:
     return value
 
 
-def _replace(graph, node, new_nodes: list, result) -> None:
+def replace_node(graph, node, new_nodes: list, result) -> None:
     """Insert ``new_nodes`` before ``node``, let ``result`` take the place of its first output."""
     import onnx_ir as ir
 
@@ -166,7 +166,7 @@ def _scatter_nd_rows(graph, node) -> bool:
                        name=f"{_prefix(node)}__back")
         nodes.append(back)
         result = back.outputs[0]
-    _replace(graph, node, nodes, result)
+    replace_node(graph, node, nodes, result)
     return True
 
 
@@ -190,7 +190,7 @@ def _int_cumsum(graph, node) -> bool:
     cumsum = ir.Node("", "CumSum", [to_float.outputs[0], axis], attributes=flags, name=f"{_prefix(node)}__float")
     back = ir.Node("", "Cast", [cumsum.outputs[0]], attributes={"to": ir.AttrInt64("to", x.dtype)},
                    name=f"{_prefix(node)}__to_int")
-    _replace(graph, node, [to_float, cumsum, back], back.outputs[0])
+    replace_node(graph, node, [to_float, cumsum, back], back.outputs[0])
     return True
 
 
@@ -262,7 +262,7 @@ def _int_clip(graph, node) -> bool:
     if not new:  # no bounds: an identity
         new = [ir.Node("", "Identity", [x], name=f"{_prefix(node)}__identity")]
         result = new[0].outputs[0]
-    _replace(graph, node, new, result)
+    replace_node(graph, node, new, result)
     return True
 
 
@@ -282,7 +282,7 @@ def _bool_scatter(graph, node) -> bool:
                       name=f"{_prefix(node)}__i32")
     back = ir.Node("", "Cast", [scatter.outputs[0]], attributes={"to": ir.AttrInt64("to", ir.DataType.BOOL)},
                    name=f"{_prefix(node)}__bool")
-    _replace(graph, node, [*as_int, scatter, back], back.outputs[0])
+    replace_node(graph, node, [*as_int, scatter, back], back.outputs[0])
     return True
 
 

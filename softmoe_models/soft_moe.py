@@ -64,7 +64,35 @@ class _Capture(threading.local):
 _CAPTURE = _Capture()
 
 
-class SoftMoE(nn.Module):
+class CapturesRouting:
+    """``capture`` and ``internals`` of an MoE layer (Soft MoE or sparse): both per thread
+    (``_Capture``), plain Python state that torch.export traces through; soft_moe.capture_routing
+    switches them for either kind of layer."""
+
+    @property
+    def capture(self) -> bool:
+        return id(self) in _CAPTURE.on
+
+    @capture.setter
+    def capture(self, on: bool) -> None:
+        if on:
+            _CAPTURE.on.add(id(self))
+        else:
+            _CAPTURE.on.discard(id(self))
+
+    @property
+    def internals(self) -> dict[str, torch.Tensor]:
+        return _CAPTURE.internals.get(id(self), {})
+
+    @internals.setter
+    def internals(self, value: dict[str, torch.Tensor]) -> None:
+        if value:
+            _CAPTURE.internals[id(self)] = value
+        else:
+            _CAPTURE.internals.pop(id(self), None)
+
+
+class SoftMoE(CapturesRouting, nn.Module):
     """Soft MoE MLP replacement: ``(B, m, d) -> (B, m, d)``, routed per sequence.
 
     Args:
@@ -158,29 +186,6 @@ class SoftMoE(nn.Module):
                 slot_in=slot_in, expert_out=expert_out,
             )
         return y
-
-    # Both per thread (``_Capture``), plain Python state that torch.export traces through.
-    @property
-    def capture(self) -> bool:
-        return id(self) in _CAPTURE.on
-
-    @capture.setter
-    def capture(self, on: bool) -> None:
-        if on:
-            _CAPTURE.on.add(id(self))
-        else:
-            _CAPTURE.on.discard(id(self))
-
-    @property
-    def internals(self) -> dict[str, torch.Tensor]:
-        return _CAPTURE.internals.get(id(self), {})
-
-    @internals.setter
-    def internals(self, value: dict[str, torch.Tensor]) -> None:
-        if value:
-            _CAPTURE.internals[id(self)] = value
-        else:
-            _CAPTURE.internals.pop(id(self), None)
 
     # ------------------------------------------------------------------ fused path
 

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import CapacityRounding, MoEConfig, Router, compute_capacity
-from .soft_moe import _CAPTURE
+from .soft_moe import CapturesRouting
 
 
 def _bf16_round(x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ def einsum_tensors(routing: TokensChoice | ExpertsChoice, num_experts: int, grou
     return dispatch, combine
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(CapturesRouting, nn.Module):
     """vmoe sparse MoE MLP: ``(B, m, d) -> (B, m, d)``, routed per image (or per ``group_images``).
 
     Args:
@@ -216,29 +216,6 @@ class SparseMoE(nn.Module):
         """C for a routing group of ``group_tokens`` tokens (vmoe compute_capacity)."""
         return compute_capacity(group_tokens * self.experts_per_token, self.num_experts, self.capacity_factor,
                                 self.capacity_rounding, self.capacity_multiple_of)
-
-    # Per thread, shared with SoftMoE (soft_moe.capture_routing works on both kinds of layer).
-    @property
-    def capture(self) -> bool:
-        return id(self) in _CAPTURE.on
-
-    @capture.setter
-    def capture(self, on: bool) -> None:
-        if on:
-            _CAPTURE.on.add(id(self))
-        else:
-            _CAPTURE.on.discard(id(self))
-
-    @property
-    def internals(self) -> dict[str, torch.Tensor]:
-        return _CAPTURE.internals.get(id(self), {})
-
-    @internals.setter
-    def internals(self, value: dict[str, torch.Tensor]) -> None:
-        if value:
-            _CAPTURE.internals[id(self)] = value
-        else:
-            _CAPTURE.internals.pop(id(self), None)
 
     # ------------------------------------------------------------------ routing
 
