@@ -119,12 +119,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """None: ``serve`` turns its own errors into the one ``error:`` line (``cmd_serve``)."""
-    return ()
+    """The dataset jobs' (``serve`` turns its own errors into the one ``error:`` line, ``cmd_serve``)."""
+    from .jobs import cli as jobs_cli
+
+    return jobs_cli.user_errors()
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Add ``serve`` to ``softmoe``: one flag per Settings field."""
+    """Add ``serve`` (one flag per Settings field), ``eval`` and ``embed`` to ``softmoe``."""
     p = sub.add_parser(
         "serve", help="serve models over HTTP (see README for the endpoints)",
         description="Serve models over HTTP. Every flag is also a SOFTMOE_* environment variable; flags win.",
@@ -133,3 +135,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", dest="models", action="append", default=argparse.SUPPRESS, metavar=MODEL_METAVAR,
                    help=f"same as --models [env {env_of('models')}]")
     p.set_defaults(func=cmd_serve, settings_source=source)
+
+    from .jobs import cli as jobs_cli  # eval and embed: the served numerics over a dataset
+
+    jobs_cli.add_commands(sub)

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import math
 import os
 import threading
 import time
@@ -19,13 +18,14 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from softmoe_models import routing as routing_lib
-from softmoe_models.preprocess import model_rgb, preprocess_image, to_pixel_values
+from softmoe_models.preprocess import to_pixel_values
 
 from . import context
 from .batching.batcher import Batcher, ModelQueue, Result
 from .errors import BadRequest, ClientDisconnected, NotFound, ServiceError, Unavailable, Unprocessable
 from .metrics import Metrics
-from .pipeline.decode import decode
+from .pipeline import postprocess as post
+from .pipeline.prepare import prepare_image
 from .pipeline.probe import ImageInfo, budget, probe
 from .registry import PIXELS, ROUTING, ServedModel
 from .settings import Settings
@@ -89,10 +89,6 @@ def _consume(fut: asyncio.Future) -> None:
     """Retrieve a finished gather's outcome so asyncio never logs it as unretrieved."""
     if not fut.cancelled():
         fut.exception()
-
-
-def _prompt(template: str, label: str) -> str:
-    return template.replace("{}", label) if "{}" in template else f"{template} {label}"
 
 
 class Reservation:
@@ -237,18 +233,14 @@ class Service:
         deadline = context.deadline.get()
         max_pixels = self.settings.max_image_pixels
 
-        def work(data: bytes, info: ImageInfo, i: int) -> tuple[np.ndarray, float, float]:
-            t0 = time.perf_counter()
+        def work(data: bytes, info: ImageInfo, i: int) -> tuple[dict[str, np.ndarray], float, float]:
             try:
-                im = decode(data, cfg.image_size, max_pixels, deadline=deadline, info=info, draft=cfg.jpeg_draft,
-                            jpeg_decoder=self.gpu_jpeg and self.gpu_jpeg.decode,
-                            on_fallback=self.metrics.gpu_decode_fallbacks.inc)
+                return prepare_image(data, cfg, uint8=uint8, max_pixels=max_pixels, info=info, deadline=deadline,
+                                     jpeg_decoder=self.gpu_jpeg and self.gpu_jpeg.decode,
+                                     on_fallback=self.metrics.gpu_decode_fallbacks.inc)
             except ServiceError as e:
                 e.param = e.param or f"{param}[{i}]"
                 raise
-            t1 = time.perf_counter()
-            px = {PIXELS: model_rgb(im, cfg)} if uint8 else {"pixel_values": preprocess_image(im, cfg)}
-            return px, t1 - t0, time.perf_counter() - t1
 
         jobs = [loop.run_in_executor(self.pool, work, b, info, i) for i, (b, info) in enumerate(zip(blobs, infos))]
         try:
@@ -357,14 +349,8 @@ class Service:
         t_post = time.perf_counter()
         out = []
         for r in results:
-            logits = r.outputs["logits"].astype(np.float64)
-            if model.head_activation == "sigmoid":
-                scores = 1 / (1 + np.exp(-logits))
-            else:
-                e = np.exp(logits - logits.max())
-                scores = e / e.sum()
-            k = min(top_k, len(scores))
-            idx = np.argsort(-scores, kind="stable")[:k]
+            scores = post.class_scores(r.outputs["logits"], model.head_activation)
+            idx = post.top_indices(scores, top_k)
             labels = model.labels or [str(i) for i in range(len(scores))]
             out.append({"predictions": [{"label": labels[i], "index": int(i), "score": float(scores[i])} for i in idx]})
         self.finish(model, "classify", timings, t_post, t0)
@@ -376,7 +362,7 @@ class Service:
         results = await self.image_results(model, fn, blobs, timings, receive, param)
         vecs = [r.outputs[key].astype(np.float32) for r in results]
         if normalize and fn == "classify":
-            vecs = [v / (np.linalg.norm(v) + 1e-8) for v in vecs]
+            vecs = [post.l2_normalize(v) for v in vecs]
         return vecs
 
     async def embed_texts(self, model: ServedModel, texts: list[str], timings: Timings, receive=None, param="texts"):
@@ -427,7 +413,7 @@ class Service:
 
     async def label_embeddings(self, model: ServedModel, labels: list[str], templates: list[str], receive=None) -> np.ndarray:
         """(len(labels), D): per label the renormalised mean of its prompts' embeddings, cached per prompt."""
-        prompts = [[_prompt(t, label) for t in templates] for label in labels]
+        prompts = [[post.prompt(t, label) for t in templates] for label in labels]
         flat = sorted({p for ps in prompts for p in ps})
         table = {p: self.label_cache.get((model.name, p)) for p in flat}
         missing = [p for p, v in table.items() if v is None]
@@ -440,11 +426,7 @@ class Service:
             for p, v in zip(chunk, vecs):
                 table[p] = v
                 self.label_cache.put((model.name, p), v)
-        out = []
-        for ps in prompts:
-            mean = np.mean([table[p] for p in ps], axis=0)
-            out.append(mean / (np.linalg.norm(mean) + 1e-8))
-        return np.stack(out).astype(np.float32)
+        return np.stack([post.label_vector([table[p] for p in ps]) for ps in prompts]).astype(np.float32)
 
     def check_prompts(self, model: ServedModel, labels, templates) -> list[str]:
         """Every zero-shot text input checked before any tower runs; returns the templates used."""
@@ -473,7 +455,7 @@ class Service:
                                 param="templates" if given else "labels")
         for i, label in enumerate(labels):
             for j, t in enumerate(templates):
-                n = len(_prompt(t, label))
+                n = len(post.prompt(t, label))
                 if n > limit:
                     raise Unprocessable(f"label {i} in template {j} ({t[:30]!r}) makes a prompt of {n} characters; "
                                         f"the limit is {limit}", param=f"labels[{i}]")
@@ -494,20 +476,10 @@ class Service:
                                      held=held, param="images")
         zimg = np.stack([r.outputs["image_embeds"].astype(np.float32) for r in results])
         t_post = time.perf_counter()
-        scale = model.logit_scale if model.logit_scale is not None else 1.0
-        bias = model.logit_bias or 0.0
-        # Per-pair products and exactly rounded sums: a label's score cannot depend on where it
-        # sits in the list (a BLAS matmul rounds differently by position).
-        cos = (zimg.astype(np.float64)[:, None, :] * zlab.astype(np.float64)[None, :, :]).sum(-1)
-        logits = scale * cos + bias
-        if activation == "softmax":
-            e = np.exp(logits - logits.max(axis=1, keepdims=True))
-            scores = e / np.array([[math.fsum(row)] for row in e])
-        else:
-            scores = 1 / (1 + np.exp(-logits))
+        scores = post.zero_shot_scores(zimg, zlab, model.logit_scale, model.logit_bias, activation)
         results = []
         for row in scores:
-            order = sorted(range(len(labels)), key=lambda j: (-row[j], labels[j]))
+            order = post.zero_shot_order(row, labels)
             results.append({"scores": [{"label": labels[j], "score": float(row[j])} for j in order]})
         self.finish(model, "zero_shot", timings, t_post, t0)
         return model, results, timings
@@ -567,12 +539,7 @@ class Service:
         """A classifier's top label (as /v1/classify scores it); None for image towers."""
         if "logits" not in outputs:
             return None
-        logits = outputs["logits"].astype(np.float64)
-        if model.head_activation == "sigmoid":
-            scores = 1 / (1 + np.exp(-logits))
-        else:
-            e = np.exp(logits - logits.max())
-            scores = e / e.sum()
+        scores = post.class_scores(outputs["logits"], model.head_activation)
         i = int(np.argmax(scores))
         labels = model.labels or [str(k) for k in range(len(scores))]
         return {"label": labels[i], "index": i, "score": float(scores[i])}

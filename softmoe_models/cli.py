@@ -1,4 +1,5 @@
-"""The model layer's subcommands of ``softmoe``: models, convert, init, train-demo, eval.
+"""The model layer's subcommands of ``softmoe``: models, convert, init, train-demo (``eval``, which runs
+the served numerics, is the server layer's: server/jobs/cli.py).
 
 The ``softmoe`` command itself is composed at the top, in :mod:`server.main`: imports flow one way,
 server -> export -> softmoe_models (tests/test_layering.py), so only the top layer may know every
@@ -37,8 +38,12 @@ def new_parser(prog: str, description: str) -> tuple[Parser, argparse._SubParser
     return parser, parser.add_subparsers(dest="command", required=True)
 
 
+ARGV: list[str] = []  # the arguments of the command being run (reports name the command that made them)
+
+
 def run(parser: argparse.ArgumentParser, argv: list[str] | None, errors: tuple[type[BaseException], ...]) -> None:
     """Parse ``argv`` and run the chosen subcommand; one of ``errors`` is one stderr line and exit 2."""
+    ARGV[:] = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = parser.parse_args(argv)
     try:
         args.func(args)
@@ -153,19 +158,6 @@ def cmd_train_demo(args: argparse.Namespace) -> None:
     train_demo(args.out, seed=args.seed, epochs=args.epochs, lit_steps=args.lit_steps)
 
 
-def cmd_eval(args: argparse.Namespace) -> None:
-    from .demo.evaluate import evaluate
-
-    try:
-        results = evaluate(args.package)
-    except ValueError as e:
-        raise CLIError(str(e)) from None
-    for key, value in results.items():
-        print(f"{key}: {value:.4f}")
-    if args.json:
-        print(json.dumps(results))
-
-
 def _add_variant_shape(p: argparse.ArgumentParser, num_classes: int, num_classes_help: str | None = None) -> None:
     """The head and input size a variant is instantiated with (``models`` and ``init``)."""
     p.add_argument("--num-classes", type=int, default=num_classes, help=num_classes_help)
@@ -235,10 +227,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lit-steps", type=int, default=1500, help="text-tower training steps")
     p.set_defaults(func=cmd_train_demo)
 
-    p = sub.add_parser("eval", help="accuracy of a package on the held-out digits (index %% 5 == 0)")
-    p.add_argument("package")
-    p.add_argument("--json", action="store_true", help="also print one JSON line")
-    p.set_defaults(func=cmd_eval)
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -251,7 +239,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 def build_parser() -> Parser:
     """This layer's commands alone; ``softmoe`` (:func:`server.main.build_parser`) has them all."""
-    parser, sub = new_parser("python -m softmoe_models.cli", "Soft MoE models: list, convert, init, demo, eval")
+    parser, sub = new_parser("python -m softmoe_models.cli", "Soft MoE models: list, convert, init, demo")
     add_commands(sub)
     return parser
 
