@@ -54,6 +54,9 @@ object with every ratio):
              at saturation and p50 at concurrency 1 as sparse over soft (every server alive together
              where the memory holds them, else one at a time); then each sparse model's fused ONNX
              graph vs vmoe's einsum form, ONNX Runtime alone at batch 8 (loadtests/sparse_bench.py).
+  embed      `softmoe embed` over 640x480 JPEGs vs the raw backend on the same model, soft-s16-e128 with
+             defaults: images/s of the whole job (read, decode in its process pool, batcher, Parquet)
+             over the backend alone at a full batch (loadtests/embed_bench.py).
   layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
              eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
@@ -472,9 +475,10 @@ GOALS = {  # key: (comparison, target); the last four are issue 14's
     "e2e_over_raw": (">=", 0.95),
     "frontend_scaling": (">=", 0.8),
     "rss_over_weights": ("<=", 1.35),
+    "embed_over_raw": (">=", 0.9),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "layers", "gpu")
+            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "embed", "layers", "gpu")
 
 
 def _positive(kind):
@@ -489,8 +493,8 @@ def _positive(kind):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, grpc_bench, invariance_bench, memory_bench,
-                           peers_bench, protocol_cost, sparse_bench, spin_bench)
+    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, embed_bench, grpc_bench, invariance_bench,
+                           memory_bench, peers_bench, protocol_cost, sparse_bench, spin_bench)
     from loadtests.peers.common import SESSIONS
 
     argv = sys.argv[1:] if argv is None else argv
@@ -544,6 +548,7 @@ def main(argv: list[str] | None = None) -> None:
             "spinning": lambda: spin_bench.section(mode, Path(tmp)),
             "memory": lambda: memory_bench.section(mode, Path(tmp)),
             "sparse": lambda: sparse_bench.section(mode, Path(tmp)),
+            "embed": lambda: embed_bench.section(mode, Path(tmp)),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

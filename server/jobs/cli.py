@@ -11,12 +11,13 @@ import argparse
 import asyncio
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
 from .data import DataError, Dataset, open_dataset, read_lines
 from .report import finish_embed, finish_eval, pending_units, precheck_labels, say
-from .runner import JobError, JobModel, Progress, Runner
+from .runner import DecodePool, JobError, JobModel, Progress, Runner
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +38,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "default: the package's")
     _common(p)
     p.add_argument("--json", action="store_true", help="without DATA: also print one JSON line")
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=_interruptible(cmd_eval))
 
     p = sub.add_parser(
         "embed", help="image (and text) embeddings of a dataset as Parquet shards (resumable)",
@@ -48,7 +49,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                 "WebDataset shards (a .tar, a glob, or shards-{000..099}.tar)")
     p.add_argument("--out", required=True, help="output directory")
     _common(p)
-    p.set_defaults(func=cmd_embed)
+    p.set_defaults(func=_interruptible(cmd_embed))
+
+
+def _interruptible(cmd):
+    """Ctrl-C ends a job with status 130 and no traceback (embed: the shard being written stays a
+    temporary file, so a rerun starts it again)."""
+    def run(args: argparse.Namespace) -> None:
+        try:
+            cmd(args)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise SystemExit(130) from None
+    run.__name__ = cmd.__name__
+    return run
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -101,7 +115,7 @@ def _open(args, settings) -> tuple[Dataset, str]:
         raise JobError("--max-errors must be 0 or more")
     package = args.package
     digest = package_sha256(package)
-    dataset = open_dataset(args.data, settings.max_body_bytes)
+    dataset = open_dataset(args.data, settings.max_body_bytes, Path(args.out))
     return dataset, digest
 
 
@@ -120,21 +134,30 @@ def cmd_embed(args: argparse.Namespace) -> None:
         run_embed(args, settings, dataset, digest, out)
         return
     t0 = time.perf_counter()
-    job = JobModel.load(args.package, settings, say)
+    pool = DecodePool(settings)  # its processes start while the model loads
+    try:
+        job = JobModel.load(args.package, settings, say)
+    except BaseException:
+        pool.close()
+        raise
     try:
         facts = job.facts()
         sink = sink_for(out, facts, dataset, args.data, digest)
         pending = pending_units(sink, dataset, out)
-        progress = Progress("embed", None if any(u.count is None for u in pending) else sum(u.count for u in pending))
-        runner = Runner(job, sink, texts=job.texts, max_errors=args.max_errors, progress=progress)
-        try:
-            runner.run(pending)
-        except BaseException:
-            sink.abort()
-            raise
+        rate = 0.0
+        if pending:
+            progress = Progress("embed", None if any(u.count is None for u in pending) else sum(u.count for u in pending))
+            runner = Runner(job, sink, texts=job.texts, max_errors=args.max_errors, progress=progress, pool=pool)
+            try:
+                runner.run(pending)
+            except BaseException:
+                sink.abort()
+                raise
+            rate = progress.rate
     finally:
+        pool.close()
         job.close()
-    finish_embed(args, facts, sink, dataset, digest, out, time.perf_counter() - t0, progress.rate)
+    finish_embed(args, facts, sink, dataset, digest, out, time.perf_counter() - t0, rate)
 
 
 # ------------------------------------------------------------------ eval
@@ -160,19 +183,25 @@ def cmd_eval(args: argparse.Namespace) -> None:
         run_eval(args, settings, dataset, digest, Path(args.out), classnames, templates)
         return
     t0 = time.perf_counter()
-    job = JobModel.load(args.package, settings, say)
+    pool = DecodePool(settings)  # its processes start while the model loads
+    try:
+        job = JobModel.load(args.package, settings, say)
+    except BaseException:
+        pool.close()
+        raise
     try:
         from .evaluate import EvalSink
 
         precheck_labels(job.facts(), dataset)
         sink = EvalSink(job.facts(), texts=job.texts)
         runner = Runner(job, sink, texts=job.texts, max_errors=args.max_errors,
-                        progress=Progress("eval", dataset.count))
+                        progress=Progress("eval", dataset.count), pool=pool)
         tally = runner.run(dataset.units)
         finish_eval(args, job.facts(), sink, tally.error_list, digest, classnames, templates,
                     time.perf_counter() - t0, runner.progress.rate,
                     lambda texts: asyncio.run(job.embed_texts(texts)))
     finally:
+        pool.close()
         job.close()
 
 

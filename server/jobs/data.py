@@ -1,20 +1,24 @@
 """The datasets ``softmoe eval`` and ``softmoe embed`` read: an image-folder tree, a CSV or JSONL
 manifest, or WebDataset tar shards. Each is a list of :class:`Unit` (the unit of output and of
-resumption: a WebDataset shard, or a fixed run of files), each unit an iterator of :class:`Sample`.
+resumption: a WebDataset shard, or a run of 4,096 files), each unit an iterator of :class:`Sample`.
 
 Nothing is skipped silently: every file of a class folder, every manifest row and every sample of a
 shard is a sample; what cannot be one (a file outside any class folder, a manifest row without a
 path, a sample with no image entry, an entry over the size limit, a shard that cannot be read) is a
 sample with its ``error`` set, counted and reported by the job with its path or key.
 
-Memory: folders and manifests are listed up front (paths only, sorted); shards are streamed, one
-sample's entries at a time, and an entry over ``max_bytes`` is never read.
+Memory is bounded whatever the dataset's size: a unit is a byte range of a file (a manifest, or the
+index of a folder's files that opening it writes, sorted, into the job's directory) or a shard, read
+when the job reaches it; shards stream one sample's entries at a time, and an entry over
+``max_bytes`` is never read. Each unit carries a fingerprint of what it reads (its index lines, or
+its shard's size and time), so a finished output is reused only for the same input.
 """
 
 from __future__ import annotations
 
 import csv
 import glob
+import hashlib
 import io
 import json
 import os
@@ -47,9 +51,10 @@ class Sample:
 @dataclass
 class Unit:
     name: str  # the output shard's name (no extension)
-    source: str  # what it reads: a shard's path, or the dataset
+    source: str  # what it reads: a shard's path, or the manifest or folder index
     samples: Callable[[], Iterator[Sample]]  # a fresh iterator each call
     count: int | None = None  # samples, where known without reading
+    fingerprint: str = ""  # what it reads: the sha256 of its index lines, or its shard's size and mtime
 
 
 @dataclass
@@ -65,29 +70,39 @@ class Dataset:
         return None if any(c is None for c in counts) else sum(counts)
 
 
-def open_dataset(spec: str, max_bytes: int) -> Dataset:
+def open_dataset(spec: str, max_bytes: int, workdir: Path) -> Dataset:
     """The dataset at ``spec``: a directory (image folders), a .csv/.jsonl manifest, or WebDataset
     shards (a .tar file, a glob, or a brace range such as ``shards-{000..099}.tar``).
 
     Args:
         spec: the DATA argument.
         max_bytes: the largest image file read (larger ones are errors, never read).
+        workdir: where a folder's index is written (the job's output directory).
 
     Raises:
         DataError: nothing to read, or a manifest without a path column.
     """
     path = Path(spec)
     if path.is_dir():
-        return _folder(path, max_bytes)
+        return _folder(path, workdir)
     if path.suffix.lower() in MANIFEST_EXTS and path.is_file():
-        return _manifest(path, max_bytes)
+        return _manifest(path)
     shards = expand_shards(spec)
     if not shards:
         raise DataError(f"{spec}: no such directory, manifest (.csv, .jsonl) or WebDataset shard (.tar)")
     root = os.path.commonpath([str(Path(s).parent) for s in shards]) if len(shards) > 1 else str(Path(shards[0]).parent)
     names = _unit_names(shards)
-    units = [Unit(name, s, (lambda s=s: _shard_samples(s, max_bytes))) for name, s in zip(names, shards)]
+    units = [Unit(name, s, (lambda s=s: _shard_samples(s, max_bytes)), fingerprint=_stat(s))
+             for name, s in zip(names, shards)]
     return Dataset("webdataset", root, units)
+
+
+def _stat(path: str) -> str:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "missing"
+    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 # ------------------------------------------------------------------ WebDataset
@@ -145,6 +160,7 @@ def _shard_samples(shard: str, max_bytes: int) -> Iterator[Sample]:
     key, entries, oversized = None, {}, {}
     try:
         with tarfile.open(shard, mode="r|*") as tar:
+            plain = tar.fileobj.__class__.__name__ != "_Stream" or getattr(tar.fileobj, "comptype", "tar") == "tar"
             for member in tar:
                 if not member.isfile():
                     continue
@@ -158,6 +174,9 @@ def _shard_samples(shard: str, max_bytes: int) -> Iterator[Sample]:
                     continue
                 f = tar.extractfile(member)
                 entries[ext] = f.read() if f is not None else b""
+            end = tar.offset
+        if plain:
+            _check_end(shard, end)
     except (OSError, tarfile.TarError, EOFError) as e:
         if key is not None:
             yield _sample(key, entries, oversized, max_bytes)
@@ -166,6 +185,20 @@ def _shard_samples(shard: str, max_bytes: int) -> Iterator[Sample]:
         return
     if key is not None:
         yield _sample(key, entries, oversized, max_bytes)
+
+
+def _check_end(shard: str, end: int) -> None:
+    """A tar ends with two zero blocks after its last member; Python's tarfile stops quietly at a
+    header cut short, so a shard truncated between members would lose its tail unnoticed.
+
+    Raises:
+        tarfile.ReadError: the end-of-archive marker is missing.
+    """
+    with open(shard, "rb") as f:
+        f.seek(end)
+        marker = f.read(1024)
+    if len(marker) < 1024 or marker.count(0) != 1024:
+        raise tarfile.ReadError(f"truncated after {end} bytes (no end-of-archive marker)")
 
 
 def _sample(key: str, entries: dict[str, bytes], oversized: dict[str, int], max_bytes: int) -> Sample:
@@ -198,76 +231,149 @@ def _sample(key: str, entries: dict[str, bytes], oversized: dict[str, int], max_
 
 # ------------------------------------------------------------------ folders and manifests
 
+INDEX_FILE = ".files.jsonl"  # a folder's samples, one JSON list per line: key, label, error
 
-def _folder(root: Path, max_bytes: int) -> Dataset:
+
+def _folder(root: Path, workdir: Path) -> Dataset:
     """One folder per class (every file under it, at any depth, is a sample of that class); a tree
-    with no sub-folders is a set of unlabelled images."""
-    subdirs = sorted(p.name for p in root.iterdir() if p.is_dir())
-    samples: list[Sample] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in sorted(filenames):
-            rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-            full = os.path.join(dirpath, name)
-            if not subdirs:
-                samples.append(Sample(key=rel, path=full))
-            elif rel_dir == ".":
-                samples.append(Sample(key=rel, path=full, error="a file outside any class folder"))
-            else:
-                samples.append(Sample(key=rel, path=full, label=rel.split("/", 1)[0]))
-    if not samples:
+    with no sub-folders is a set of unlabelled images. The files are listed, sorted, into an index
+    in ``workdir`` one directory at a time, then read a unit at a time like a manifest."""
+    subdirs = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    workdir.mkdir(parents=True, exist_ok=True)
+    index = workdir / INDEX_FILE
+    tmp = index.with_name(index.name + ".tmp")
+    count = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            rel_dir = os.path.relpath(dirpath, root)
+            for name in sorted(filenames):
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
+                if not subdirs:
+                    row = [rel, None, None]
+                elif rel_dir == ".":
+                    row = [rel, None, "a file outside any class folder"]
+                else:
+                    row = [rel, rel.split("/", 1)[0], None]
+                f.write(json.dumps(row) + "\n")
+                count += 1
+    os.replace(tmp, index)
+    if not count:
         raise DataError(f"{root}: the dataset is empty (no files)")
-    return Dataset("folder", str(root), _file_units(samples), classes=subdirs or None)
+    base = str(root)
+
+    def sample(line: bytes, number: int) -> Sample:
+        key, label, error = json.loads(line)
+        return Sample(key=key, label=label, path=os.path.join(base, key), error=error)
+
+    return Dataset("folder", base, _line_units(index, 0, sample), classes=subdirs or None)
 
 
-def _manifest(path: Path, max_bytes: int) -> Dataset:
+def _manifest(path: Path) -> Dataset:
     """A CSV (with a header row) or JSONL manifest: ``path``, ``label`` and ``text`` (both optional);
     relative paths are relative to the manifest's folder."""
     base = path.parent
-    rows: list[dict] = []
     try:
         if path.suffix.lower() == ".csv":
-            with open(path, newline="", encoding="utf-8") as f:
-                reader = csv.DictReader(f)
-                if not reader.fieldnames or "path" not in reader.fieldnames:
-                    raise DataError(f"{path}: a CSV manifest needs a header row with a 'path' column "
-                                    f"(found {reader.fieldnames or 'no header'})")
-                rows = list(reader)
+            with open(path, "rb") as f:
+                header_line = f.readline()
+                start = f.tell()
+            try:
+                header = next(csv.reader([header_line.decode("utf-8-sig")]), [])
+            except (UnicodeDecodeError, csv.Error):
+                header = []
+            if "path" not in header:
+                raise DataError(f"{path}: a CSV manifest needs a header row with a 'path' column "
+                                f"(found {header or 'no header'})")
+
+            def parse(line: bytes, number: int) -> Sample:
+                try:
+                    values = next(csv.reader([line.decode("utf-8")]), [])
+                except (UnicodeDecodeError, csv.Error) as e:
+                    return Sample(key=f"{path.name}:{number}", error=f"line {number} cannot be read: {e}")
+                return _row(dict(zip(header, values)), number, path, base)
+
+            units = _line_units(path, start, parse, csv_rows=True, lines_before=1)
         else:
-            with open(path, encoding="utf-8") as f:
-                for i, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except ValueError:
-                        obj = {"__error__": f"line {i} is not JSON"}
-                    rows.append(obj if isinstance(obj, dict) else {"__error__": f"line {i} is not a JSON object"})
-    except (OSError, UnicodeDecodeError) as e:
+            def parse(line: bytes, number: int) -> Sample:
+                try:
+                    obj = json.loads(line)
+                except (ValueError, UnicodeDecodeError):
+                    return Sample(key=f"{path.name}:{number}", error=f"line {number} is not JSON")
+                if not isinstance(obj, dict):
+                    return Sample(key=f"{path.name}:{number}", error=f"line {number} is not a JSON object")
+                return _row(obj, number, path, base)
+
+            units = _line_units(path, 0, parse)
+    except OSError as e:
         raise DataError(f"{path}: cannot read the manifest: {_describe(e)}") from None
-    samples = []
-    for i, row in enumerate(rows, 1):
-        p = row.get("path")
-        label = row.get("label")
-        text = row.get("text")
-        label = None if label in (None, "") else str(label)
-        text = None if text in (None, "") else str(text)
-        if "__error__" in row or not isinstance(p, str) or not p:
-            samples.append(Sample(key=f"{path.name}:{i}", error=row.get("__error__") or f"row {i} has no path"))
-            continue
-        samples.append(Sample(key=p, label=label, text=text, path=str(base / p)))
-    if not samples:
+    if not units:
         raise DataError(f"{path}: the manifest is empty")
-    return Dataset("manifest", str(base), _file_units(samples))
+    return Dataset("manifest", str(base), units)
 
 
-def _file_units(samples: list[Sample]) -> list[Unit]:
-    units = []
-    for start in range(0, len(samples), FILES_PER_UNIT):
-        part = samples[start: start + FILES_PER_UNIT]
-        units.append(Unit(f"part-{start // FILES_PER_UNIT:05d}", "files", (lambda part=part: iter(part)), len(part)))
+def _row(row: dict, number: int, path: Path, base: Path) -> Sample:
+    p, label, text = row.get("path"), row.get("label"), row.get("text")
+    label = None if label in (None, "") else str(label)
+    text = None if text in (None, "") else str(text)
+    if not isinstance(p, str) or not p:
+        return Sample(key=f"{path.name}:{number}", error=f"line {number} has no path")
+    return Sample(key=p, label=label, text=text, path=str(base / p))
+
+
+def _records(f, csv_rows: bool) -> Iterator[tuple[int, int, bytes]]:
+    """``(first line, last line, record)`` of a binary file from its position (lines counted from 1
+    there), blank lines skipped; a CSV record spans lines while a quoted field is open."""
+    number = 0
+    while True:
+        line = f.readline()
+        if not line:
+            return
+        number += 1
+        first = number
+        if csv_rows:
+            while line.count(b'"') % 2 == 1:
+                more = f.readline()
+                if not more:
+                    break
+                number += 1
+                line += more
+        if line.strip():
+            yield first, number, line
+
+
+def _line_units(path: Path, start: int, parse: Callable[[bytes, int], Sample], *, csv_rows: bool = False,
+                lines_before: int = 0) -> list[Unit]:
+    """Units of ``per_unit`` records of ``path`` from byte ``start`` (after line ``lines_before``):
+    each a byte offset, a count and the sha256 of its records, found in one streaming pass; its
+    samples parsed (``parse(record, line number)``) when it is read."""
+    units: list[Unit] = []
+    per_unit = FILES_PER_UNIT
+    with open(path, "rb") as f:
+        f.seek(start)
+        offset, before, n, h = start, lines_before, 0, hashlib.sha256()
+        for _, last, record in _records(f, csv_rows):
+            h.update(record)
+            n += 1
+            if n == per_unit:
+                units.append(_unit(len(units), path, offset, n, before, h.hexdigest(), parse, csv_rows))
+                offset, before, n, h = f.tell(), lines_before + last, 0, hashlib.sha256()
+        if n:
+            units.append(_unit(len(units), path, offset, n, before, h.hexdigest(), parse, csv_rows))
     return units
+
+
+def _unit(k: int, path: Path, offset: int, count: int, before: int, digest: str, parse, csv_rows: bool) -> Unit:
+    """Unit ``k``: ``count`` records from byte ``offset``, the first of them after line ``before``."""
+    def samples() -> Iterator[Sample]:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            for i, (first, _, record) in enumerate(_records(f, csv_rows)):
+                if i == count:
+                    return
+                yield parse(record, before + first)
+
+    return Unit(f"part-{k:05d}", str(path), samples, count, digest)
 
 
 def read_file(sample: Sample, max_bytes: int) -> bytes:

@@ -9,13 +9,15 @@ for every 4,096 files of a folder or manifest), with the columns::
     text             string (null when absent)   the manifest's text, the txt entry
     text_embedding   fixed_size_list<float32>[D] two-tower models with a tokenizer, where a text exists
 
-and the job's own files: ``_job.json`` (the model's package hash, the dataset, the units: a rerun
+and the job's own files: ``_job.json`` (the model's package hash, the dataset, the backend: a rerun
 with another model or dataset is refused rather than mixed in), ``_shards.jsonl`` (per finished
-shard: rows, errors and the file's sha256), ``errors.jsonl`` and ``summary.json``.
+shard: its input's fingerprint, rows, errors and the file's sha256), ``errors.jsonl`` and
+``summary.json``.
 
 A shard is written to ``.NAME.parquet.tmp``, in row groups (memory stays bounded whatever the
 shard's size), then renamed and recorded with its hash. A rerun skips a shard only when its record
-exists and the file's sha256 matches it; a half-written or unrecorded file is written again.
+exists, the file's sha256 matches it and its input is unchanged (the same index lines, or the same
+tar shard's size and mtime); a half-written, unrecorded, changed or stale one is written again.
 """
 
 from __future__ import annotations
@@ -93,13 +95,13 @@ class ParquetSink:
         """Check DIR against this job (``_job.json``) and return the units still to write."""
         self.out.mkdir(parents=True, exist_ok=True)
         job_file = self.out / JOB_FILE
-        mine = {**self.identity, "units": [u.name for u in units]}
+        mine = dict(self.identity)
         if job_file.exists():
             try:
                 theirs = json.loads(job_file.read_text())
             except ValueError:
                 raise JobError(f"{job_file} is not JSON: remove DIR or choose another --out") from None
-            for key in ("model_sha256", "data", "units", "columns", "backend", "precision", "max_batch_size"):
+            for key in ("model_sha256", "data", "columns", "backend", "precision", "max_batch_size"):
                 if theirs.get(key) != mine.get(key):
                     raise JobError(f"{self.out} holds an embedding job with another {key.replace('_', ' ')} "
                                    f"({str(theirs.get(key))[:80]!r}); use another --out, or remove it to start over")
@@ -110,7 +112,15 @@ class ParquetSink:
         done = self.finished()
         for stale in self.out.glob(".*.parquet.tmp"):
             stale.unlink()
-        return [u for u in units if u.name not in done]
+        pending = []
+        for u in units:
+            rec = done.get(u.name)
+            if rec is not None and rec.get("input") == u.fingerprint:
+                self.rows += int(rec.get("rows", 0))
+                self.errors += len(rec.get("errors", []))
+            else:
+                pending.append(u)
+        return pending
 
     def finished(self) -> dict[str, dict]:
         """Recorded shards whose file is there with the recorded sha256."""
@@ -128,8 +138,6 @@ class ParquetSink:
             f = self.out / f"{name}.parquet"
             if f.is_file() and file_sha256(f) == rec.get("sha256"):
                 good[name] = rec
-                self.rows += int(rec.get("rows", 0))
-                self.errors += len(rec.get("errors", []))
         return good
 
     # ------------------------------------------------------------------ the sink
@@ -175,8 +183,8 @@ class ParquetSink:
             os.fsync(f.fileno())
         final = self.out / f"{unit.name}.parquet"
         os.replace(self._tmp, final)
-        record = {"shard": unit.name, "source": unit.source, "rows": self._unit_rows, "sha256": file_sha256(final),
-                  "errors": self._unit_errors}
+        record = {"shard": unit.name, "source": unit.source, "input": unit.fingerprint, "rows": self._unit_rows,
+                  "sha256": file_sha256(final), "errors": self._unit_errors}
         for name, line in ((ERRORS_FILE, None), (SHARDS_FILE, json.dumps(record))):
             with open(self.out / name, "a") as f:
                 if line is None:

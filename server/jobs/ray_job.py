@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .data import Dataset, Sample, Unit
-from .runner import JobError, JobModel, Outcome, Progress, Tally
+from .runner import JobError, JobModel, Outcome, Progress, Tally, limits_of
 
 
 def _ray():
@@ -42,7 +43,8 @@ def connect(address: str) -> Any:
     ray = _ray()
     if ray.is_initialized():
         return ray
-    quiet = {"log_to_driver": False, "configure_logging": False}
+    quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     if address == "auto":
         try:
             ray.init(address="auto", **quiet)
@@ -137,12 +139,12 @@ def _read(units_ref, row: dict) -> list[dict]:
 def _decode(cfg, uint8: bool, limits: tuple):
     """Ray Data's CPU tasks: every sample's row, or its error in its ``meta``."""
     def fn(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from .runner import init_worker, prepare_chunk
+        from .runner import prepare_chunk
 
-        init_worker(cfg, uint8, limits, 0)
         metas = [json.loads(m) for m in batch["meta"]]
         todo = [i for i, m in enumerate(metas) if m[4] is None]
-        prepared = prepare_chunk([(metas[i][3], bytes(batch["data"][i]) if metas[i][3] is None else None) for i in todo])
+        prepared = prepare_chunk(cfg, uint8, limits, [(metas[i][3], bytes(batch["data"][i]) if metas[i][3] is None else None)
+                                                      for i in todo])
         shape = (cfg.image_size, cfg.image_size, 3) if uint8 else (3, cfg.image_size, cfg.image_size)
         pixels = np.zeros((len(metas), *shape), dtype=np.uint8 if uint8 else np.float32)
         for i, (row, why) in zip(todo, prepared):
@@ -161,7 +163,7 @@ def _pipeline(ray, args, settings, units: list[Unit], facts, outputs: list[str],
     ctx.enable_progress_bars = False
     ref = ray.put(units)
     s = settings
-    limits = (s.max_body_bytes, s.max_image_pixels, s.max_request_pixels, s.request_timeout_s)
+    limits = limits_of(s)
     cfg = facts.preprocess
     batch = s.max_batch_size
     if s.device == "cuda":
@@ -182,7 +184,7 @@ def _pipeline(ray, args, settings, units: list[Unit], facts, outputs: list[str],
     return ds
 
 
-def _stream(ray, ds, units: list[Unit], sink, tally: Tally, image_fn: str) -> None:
+def _stream(ds, units: list[Unit], sink, tally: Tally) -> None:
     """Hand the outputs to ``sink`` unit by unit, in order; units with no sample get an empty shard."""
     current = -1
 
@@ -223,7 +225,7 @@ def _stream(ray, ds, units: list[Unit], sink, tally: Tally, image_fn: str) -> No
 
 
 def _facts(ray, args, settings):
-    actor = ray.remote(num_gpus=1 if settings.device == "cuda" else 0)(FactsActor).remote(
+    actor = ray.remote(num_gpus=1 if settings.device == "cuda" else 0, num_cpus=0)(FactsActor).remote(
         args.package, _settings_dict(settings))
     try:
         facts = ray.get(actor.facts.remote())
@@ -248,42 +250,49 @@ def run_embed(args, settings, dataset: Dataset, digest: str, out: Path) -> None:
         ray.kill(actor)
     sink = sink_for(out, facts, dataset, args.data, digest)
     pending = pending_units(sink, dataset, out)
-    progress = Progress("embed", None if any(u.count is None for u in pending) else sum(u.count for u in pending))
-    tally = Tally(progress, args.max_errors)
     outputs = ["image_embeds"] if facts.image_fn == "image" else ["pre_logits"]
-    try:
-        if pending:
-            _stream(ray, _pipeline(ray, args, settings, pending, facts, outputs, facts.texts), pending, sink, tally,
-                    facts.image_fn)
-    except BaseException:
-        sink.abort()
-        raise
-    finally:
-        progress.close()
-    finish_embed(args, facts, sink, dataset, digest, out, time.perf_counter() - t0, progress.rate)
+    rate = 0.0
+    if pending:
+        progress = Progress("embed", None if any(u.count is None for u in pending) else sum(u.count for u in pending))
+        try:
+            _stream(_pipeline(ray, args, settings, pending, facts, outputs, facts.texts), pending, sink,
+                    Tally(progress, args.max_errors))
+        except BaseException:
+            sink.abort()
+            raise
+        finally:
+            progress.close()
+        rate = progress.rate
+    finish_embed(args, facts, sink, dataset, digest, out, time.perf_counter() - t0, rate)
 
 
 def run_eval(args, settings, dataset: Dataset, digest: str, out: Path, classnames, templates) -> None:
-    from .report import finish_eval, precheck_labels
     from .evaluate import EvalSink
+    from .report import finish_eval, precheck_labels
 
     ray = connect(args.ray)
     t0 = time.perf_counter()
     actor, facts = _facts(ray, args, settings)
+    with contextlib.suppress(Exception):  # its GPU goes to the actor pool
+        ray.kill(actor)
+    precheck_labels(facts, dataset)
+    sink = EvalSink(facts, texts=facts.texts)
+    progress = Progress("eval", dataset.count)
+    tally = Tally(progress, args.max_errors)
+    outputs = ["image_embeds"] if facts.image_fn == "image" else ["logits"]
     try:
-        precheck_labels(facts, dataset)
-        sink = EvalSink(facts, texts=facts.texts)
-        progress = Progress("eval", dataset.count)
-        tally = Tally(progress, args.max_errors)
-        outputs = ["image_embeds"] if facts.image_fn == "image" else ["logits"]
-        try:
-            _stream(ray, _pipeline(ray, args, settings, dataset.units, facts, outputs, facts.texts), dataset.units,
-                    sink, tally, facts.image_fn)
-        finally:
-            progress.close()
-        finish_eval(args, facts, sink, tally.error_list, digest, classnames, templates, time.perf_counter() - t0,
-                    progress.rate, lambda texts: ray.get(actor.embed_texts.remote(texts)))
+        _stream(_pipeline(ray, args, settings, dataset.units, facts, outputs, facts.texts), dataset.units, sink, tally)
     finally:
-        with contextlib.suppress(Exception):
-            ray.kill(actor)
+        progress.close()
 
+    def run_texts(texts: list[str]) -> list:
+        """The zero-shot prompts, on an actor of the same settings (the pool is gone by now)."""
+        actor, _ = _facts(ray, args, settings)
+        try:
+            return ray.get(actor.embed_texts.remote(texts))
+        finally:
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+    finish_eval(args, facts, sink, tally.error_list, digest, classnames, templates, time.perf_counter() - t0,
+                progress.rate, run_texts)

@@ -32,7 +32,8 @@ from .data import Dataset, Sample, Unit, read_file
 log = logging.getLogger("softmoe.jobs")
 
 ITEM_TIMEOUT_S = 600.0  # an item's time in the batcher's queue (the window keeps it to a few batches)
-DECODE_NICE = 10  # decode processes yield the cores to the backend's threads (server/service.py lower_priority)
+DECODE_NICE = 19  # decode processes at the lowest priority: see DecodePool
+MAX_DEATHS = 3  # files in a row whose decoder died, each alone in a fresh process: the job stops
 
 
 class JobError(Exception):
@@ -101,6 +102,9 @@ class JobModel:
         from ..registry import apply_jpeg_draft, attach_queues, load_served_model
         from ..startup import StartupError, check_backend, describe
 
+        exported = settings.backend in ("onnxruntime", "tensorrt")
+        say(f"{package}: loading on {settings.backend} ({settings.device})"
+            + ("; a first load exports and verifies it, then it is cached" if exported else ""))
         try:
             check_backend(settings)
             model = load_served_model(package, settings, log.info)
@@ -189,23 +193,27 @@ class JobModel:
 # ------------------------------------------------------------------ decode workers (a process pool)
 
 
-_WORKER: dict[str, Any] = {}
+def init_worker(nice: int) -> None:
+    """A decode process: a lower priority, and the decoder's modules imported before any work."""
+    from ..pipeline import prepare  # noqa: F401
 
-
-def init_worker(cfg, uint8: bool, limits: tuple[int, int, int, float], nice: int) -> None:
-    """A decode process: the model's preprocessing contract and the server's limits; a lower priority."""
-    _WORKER.update(cfg=cfg, uint8=uint8, limits=limits)
     if nice > 0 and hasattr(os, "nice"):
         with contextlib.suppress(OSError):
             os.nice(nice)
 
 
-def prepare_chunk(entries: list[tuple[str | None, bytes | None]]) -> list[tuple[dict | None, str | None]]:
-    """Per entry (a file path, or the bytes): ``(row, None)`` or ``(None, reason)``."""
+def _ready() -> int:
+    return os.getpid()
+
+
+def prepare_chunk(cfg, uint8: bool, limits: tuple[int, int, int, float],
+                  entries: list[tuple[str | None, bytes | None]]) -> list[tuple[dict | None, str | None]]:
+    """Per entry (a file path, or the bytes): ``(row, None)`` or ``(None, reason)``. ``cfg``: the
+    model's PreprocessConfig; ``limits``: the server's max body bytes, image and request pixels, and
+    request timeout (each image's decode deadline)."""
     from ..pipeline.prepare import prepare_image, probe_image
 
-    cfg, uint8 = _WORKER["cfg"], _WORKER["uint8"]
-    max_bytes, max_image_pixels, max_request_pixels, timeout = _WORKER["limits"]
+    max_bytes, max_image_pixels, max_request_pixels, timeout = limits
     out: list[tuple[dict | None, str | None]] = []
     for path, data in entries:
         try:
@@ -226,6 +234,10 @@ def prepare_chunk(entries: list[tuple[str | None, bytes | None]]) -> list[tuple[
     return out
 
 
+def limits_of(settings: Settings) -> tuple[int, int, int, float]:
+    return settings.max_body_bytes, settings.max_image_pixels, settings.max_request_pixels, settings.request_timeout_s
+
+
 def decode_workers() -> int:
     """Decode processes: the CPUs this process may use (at most 32)."""
     return max(1, min(32, len(os.sched_getaffinity(0))))
@@ -233,35 +245,55 @@ def decode_workers() -> int:
 
 class DecodePool:
     """A process pool of decode workers that survives a worker's death: a chunk whose worker died is
-    retried one entry at a time in a fresh pool, so only the entry that kills a decoder fails."""
+    retried one entry at a time in a fresh pool, so only the entry that kills a decoder fails.
 
-    def __init__(self, job: JobModel, workers: int | None = None) -> None:
-        s = job.settings
-        self.args = (job.model.preprocess, job.uint8,
-                     (s.max_body_bytes, s.max_image_pixels, s.max_request_pixels, s.request_timeout_s), DECODE_NICE)
+    The processes run at the lowest priority (nice 19): the backend's intra-op threads spin between
+    the parallel steps of a batch, and a decode process that preempts one stalls the whole step.
+    soft-s16-e128 on 2 cores, 640x480 JPEGs: 359 ms a batch of 8 inside the job at nice 10, 318 ms at
+    19, 304 ms with no decoding beside it. Decoding still gets every idle cycle, so a light model,
+    where decoding is the work, loses nothing."""
+
+    def __init__(self, settings: Settings, workers: int | None = None) -> None:
+        """Starts the processes at once (they import the decoder while the model loads); ``use``
+        names the model's preprocessing before the first ``prepare``."""
+        self.limits = limits_of(settings)
         self.workers = workers or decode_workers()
+        self.cfg, self.uint8 = None, False
+        self.deaths = 0  # files in a row whose decoder died
         self.pool = self._new()
+
+    def use(self, preprocess, uint8: bool) -> None:
+        self.cfg, self.uint8 = preprocess, uint8
 
     def _new(self) -> ProcessPoolExecutor:
         import multiprocessing
 
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                   initializer=init_worker, initargs=self.args)
+        pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=init_worker, initargs=(DECODE_NICE,))
+        for _ in range(self.workers):  # start every process now, not at the first chunk
+            pool.submit(_ready)
+        return pool
 
     async def prepare(self, entries: list[tuple[str | None, bytes | None]]) -> list[tuple[dict | None, str | None]]:
         loop = asyncio.get_running_loop()
         pool = self.pool
         try:
-            return await loop.run_in_executor(pool, prepare_chunk, entries)
+            return await loop.run_in_executor(pool, prepare_chunk, self.cfg, self.uint8, self.limits, entries)
         except BrokenProcessPool:
             self._renew(pool)
         out = []
         for entry in entries:
             pool = self.pool
             try:
-                out.extend(await loop.run_in_executor(pool, prepare_chunk, [entry]))
+                out.extend(await loop.run_in_executor(pool, prepare_chunk, self.cfg, self.uint8, self.limits, [entry]))
+                self.deaths = 0
             except BrokenProcessPool:
                 self._renew(pool)
+                self.deaths += 1
+                if self.deaths >= MAX_DEATHS:  # not a file: the processes cannot run at all
+                    raise JobError(f"the decode processes died on {self.deaths} files in a row, each alone in a "
+                                   "fresh process: they cannot run here (out of memory? a script that runs a job "
+                                   "must guard it with `if __name__ == '__main__':`)") from None
                 out.append((None, "the decoder process died on this file"))
         return out
 
@@ -285,6 +317,7 @@ class Progress:
         self.stream = stream or sys.stderr
         self.done = self.errors = 0
         self.start = self.last = time.perf_counter()
+        self.ended: float | None = None
         self.bar = None
         if self.stream.isatty():
             from tqdm import tqdm
@@ -314,14 +347,19 @@ class Progress:
               file=self.stream, flush=True)
 
     def close(self) -> None:
+        """The end of the work: the rate is frozen here (what follows, the pool's shutdown, is not the work)."""
+        if self.ended is not None:
+            return
+        self.ended = time.perf_counter()
         if self.bar is not None:
             self.bar.close()
         else:
-            self._line(time.perf_counter())
+            self._line(self.ended)
 
     @property
     def rate(self) -> float:
-        return self.done / max(time.perf_counter() - self.start, 1e-9)
+        end = self.ended if self.ended is not None else time.perf_counter()
+        return self.done / max(end - self.start, 1e-9)
 
 
 # ------------------------------------------------------------------ the pipeline
@@ -379,20 +417,24 @@ class Runner:
     def __init__(self, job: JobModel, sink: Sink, *, texts: bool, max_errors: int | None, progress: Progress,
                  pool: DecodePool | None = None) -> None:
         self.job, self.sink, self.texts, self.max_errors, self.progress = job, sink, texts, max_errors, progress
-        self.pool = pool or DecodePool(job)
+        self.pool = pool or DecodePool(job.settings)
+        self.pool.use(job.model.preprocess, job.uint8)
         self.tally = Tally(progress, max_errors)
 
     def run(self, units: list[Unit]) -> Tally:
         try:
             asyncio.run(self._run(units))
         finally:
-            self.pool.close()
             self.progress.close()
+            self.pool.close()
         return self.tally
 
     async def _run(self, units: list[Unit]) -> None:
-        size = self.job.settings.max_batch_size
-        window = 2 * max(self.pool.workers, self.job.settings.concurrent_batches) + 2  # chunks in flight
+        s = self.job.settings
+        size = s.max_batch_size
+        # Chunks in flight: enough to keep every decode process and every batch busy, and never more
+        # rows than a queue holds (each chunk reserves its places in the batcher's queue).
+        window = min(2 * max(self.pool.workers, s.concurrent_batches) + 2, max(1, s.max_queue // size))
         pending: deque[tuple[Chunk, asyncio.Future]] = deque()
         try:
             for chunk in chunks(units, size):

@@ -22,6 +22,9 @@ from PIL import Image
 from softmoe_models.demo.data import WORDS, load_splits
 
 MAX_BYTES = 200_000  # SOFTMOE_MAX_BODY_BYTES for the jobs and the server of these tests
+ROOT = Path(__file__).resolve().parents[2]
+DIGITS = str(ROOT / "server" / "default_models" / "digits")
+LIT = str(ROOT / "server" / "default_models" / "digits-lit")
 
 
 @dataclass
@@ -130,3 +133,20 @@ def env(monkeypatch) -> None:
     """The limits these datasets are built around, for the jobs (the server takes them as settings)."""
     monkeypatch.setenv("SOFTMOE_MAX_BODY_BYTES", str(MAX_BYTES))
     os.environ.pop("SOFTMOE_MODELS", None)
+
+
+def softmoe(*argv) -> None:
+    """``softmoe ARGV...`` in this process."""
+    from server.main import main
+
+    main([str(a) for a in argv])
+
+
+def table(out: Path):
+    """Every Parquet shard in ``out`` as one table, sorted by key."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    files = sorted(out.glob("*.parquet"))
+    assert files, f"no Parquet shard in {out}"
+    return pa.concat_tables([pq.read_table(f) for f in files]).sort_by("key")

@@ -15,9 +15,7 @@ import pytest
 from helpers import datasets
 from helpers.live import live_server
 
-ROOT = Path(__file__).resolve().parents[2]
-DIGITS = str(ROOT / "server" / "default_models" / "digits")
-LIT = str(ROOT / "server" / "default_models" / "digits-lit")
+ROOT, DIGITS, LIT, softmoe, _table = datasets.ROOT, datasets.DIGITS, datasets.LIT, datasets.softmoe, datasets.table
 LAYOUTS = ("folder", "manifest", "webdataset")
 
 
@@ -40,12 +38,6 @@ def server(limits):
 
     with live_server(create_app(Settings())) as url:  # the built-in models, default settings
         yield url
-
-
-def softmoe(*argv: str) -> None:
-    from server.main import main
-
-    main([str(a) for a in argv])
 
 
 def fails(capsys, *argv: str) -> str:
@@ -153,17 +145,6 @@ def test_eval_templates_and_classnames(data, tmp_path):
 
 
 # ------------------------------------------------------------------ embed
-
-
-def _table(out: Path):
-    import pyarrow.parquet as pq
-
-    files = sorted(out.glob("*.parquet"))
-    assert files
-    tables = [pq.read_table(f) for f in files]
-    import pyarrow as pa
-
-    return pa.concat_tables(tables).sort_by("key")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -57,6 +57,8 @@ KEYS = (
     "sparse_ec_over_soft_c1_p50", "sparse_tc_fused_over_einsum", "sparse_ec_fused_over_einsum",
     "sparse_soft_img_s", "sparse_tc_img_s", "sparse_ec_img_s", "sparse_tc_forms_max_abs_diff",
     "sparse_ec_forms_max_abs_diff",
+    # softmoe embed over JPEG files vs the raw backend
+    "embed_over_raw", "embed_img_per_s", "embed_raw_img_per_s",
     # the run
     "errors", "seconds",
 )
