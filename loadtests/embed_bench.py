@@ -7,7 +7,7 @@ called at a full batch of pixels already in memory, as many calls at once as the
 (``loadtests.bench.RawBackend``). The job side is `softmoe embed PKG DIR --out OUT` in its own
 process, with its defaults, on ``--images`` 640x480 JPEGs: the reading, the decode and
 preprocessing in its process pool, the batcher, the Parquet shards; its images/s is its
-summary.json's, from the first sample read to the last row written (the model's loading and
+_summary.json's, from the first sample read to the last row written (the model's loading and
 start-up proofs excluded, as the raw side's are). The two alternate, round by round.
 
 Printed, as one JSON line: ``embed_over_raw`` (the job's images/s over the raw backend's: the issue
@@ -52,7 +52,7 @@ def run(package: str, *, images: int, rounds: int, seconds: float, workdir: Path
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"softmoe embed failed: {done.stderr.strip()[-500:]}")
-            summary = json.loads((out / "summary.json").read_text())
+            summary = json.loads((out / "_summary.json").read_text())
             if summary["n"] != images:
                 raise RuntimeError(f"softmoe embed wrote {summary['n']} rows for {images} images")
             job_rates.append(summary["images_per_second"])

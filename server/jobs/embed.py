@@ -11,8 +11,9 @@ for every 4,096 files of a folder or manifest), with the columns::
 
 and the job's own files: ``_job.json`` (the model's package hash, the dataset, the backend: a rerun
 with another model or dataset is refused rather than mixed in), ``_shards.jsonl`` (per finished
-shard: its input's fingerprint, rows, errors and the file's sha256), ``errors.jsonl`` and
-``summary.json``.
+shard: its input's fingerprint, rows, errors and the file's sha256), ``_errors.jsonl`` and
+``_summary.json``: every name that is not a shard starts with ``_`` or ``.``, which pyarrow's and
+Ray's dataset readers skip, so ``pq.read_table(DIR)`` reads the shards alone.
 
 A shard is written to ``.NAME.parquet.tmp``, in row groups (memory stays bounded whatever the
 shard's size), then renamed and recorded with its hash. A rerun skips a shard only when its record
@@ -32,10 +33,10 @@ import numpy as np
 
 from ..pipeline.postprocess import l2_normalize
 from .data import Dataset, Unit
-from .runner import JobError, Outcome
+from .runner import JobError, Outcome, error_entry
 
 ROW_GROUP = 1024  # rows per Parquet row group: what a shard holds in memory
-JOB_FILE, SHARDS_FILE, ERRORS_FILE, SUMMARY_FILE = "_job.json", "_shards.jsonl", "errors.jsonl", "summary.json"
+JOB_FILE, SHARDS_FILE, ERRORS_FILE, SUMMARY_FILE = "_job.json", "_shards.jsonl", "_errors.jsonl", "_summary.json"
 
 
 def image_vector(image_fn: str, outputs: dict[str, np.ndarray]) -> np.ndarray:
@@ -150,7 +151,7 @@ class ParquetSink:
 
     def add(self, unit: Unit, o: Outcome) -> None:
         if o.error is not None:
-            self._unit_errors.append({"key": o.sample.key, "reason": o.error})
+            self._unit_errors.append(error_entry(unit, o))
             return
         b = self._buf
         b["key"].append(o.sample.key)

@@ -211,8 +211,8 @@ def _stream(ds, units: list[Unit], sink, tally: Tally) -> None:
                 advance(u)
             outcomes = []
             for i in range(start, stop):
-                key, label, text, _, error = json.loads(batch["meta"][i])
-                sample = Sample(key=key, label=label, text=text)
+                key, label, text, path, error = json.loads(batch["meta"][i])
+                sample = Sample(key=key, label=label, text=text, path=path)
                 if error is not None:
                     outcomes.append(Outcome(sample, error=error))
                     continue

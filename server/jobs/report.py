@@ -1,5 +1,5 @@
 """What a dataset job leaves behind and says at its end, for local and Ray runs alike: the labels
-checked up front, the pending shards, summary.json and metrics.json, the one closing line."""
+checked up front, the pending shards, _summary.json and metrics.json, the one closing line."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def pending_units(sink, dataset: Dataset, out: Path) -> list:
 
 
 def finish_embed(args, facts, sink, dataset: Dataset, digest: str, out: Path, seconds: float, rate: float) -> None:
-    """summary.json, then the one line (or the error line: nothing embedded)."""
-    from .embed import SUMMARY_FILE
+    """_summary.json, then the one line (or the error line: nothing embedded)."""
+    from .embed import ERRORS_FILE, SUMMARY_FILE
 
     summary = {"n": sink.rows, "errors": sink.errors, "shards": len(dataset.units), "model": facts.name,
                "package": str(Path(args.package).resolve()), "package_sha256": digest, "data": args.data,
@@ -43,8 +43,8 @@ def finish_embed(args, facts, sink, dataset: Dataset, digest: str, out: Path, se
     if rows == 0 and errors == 0:
         raise JobError("the dataset is empty: no sample found")
     if rows == 0:
-        raise JobError(f"no image could be embedded: all {errors} samples failed (see {out / 'errors.jsonl'})")
-    print(f"embedded {rows} images ({errors} failed, listed in {out / 'errors.jsonl'}) -> {out}")
+        raise JobError(f"no image could be embedded: all {errors} samples failed (see {out / ERRORS_FILE})")
+    print(f"embedded {rows} images ({errors} failed, listed in {out / ERRORS_FILE}) -> {out}")
 
 
 def precheck_labels(facts, dataset: Dataset) -> None:

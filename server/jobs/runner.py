@@ -373,6 +373,12 @@ class Chunk:
     first: bool = False
 
 
+def error_entry(unit: Unit, o: Outcome) -> dict[str, str]:
+    """A failed sample in the reports: its key, the file it came from (the image's own path, or its
+    WebDataset shard, or the manifest of a row without a path) and why."""
+    return {"key": o.sample.key, "source": o.sample.path or unit.source, "reason": o.error}
+
+
 class Tally:
     """Counts what the sink got, reports it to the progress, and stops the job past ``max_errors``."""
 
@@ -387,7 +393,7 @@ class Tally:
             sink.add(unit, o)  # a sink may fail a sample too (eval: no label to score against)
             if o.error is not None:
                 errors += 1
-                self.error_list.append({"key": o.sample.key, "reason": o.error})
+                self.error_list.append(error_entry(unit, o))
             else:
                 self.done += 1
         self.errors += errors

@@ -98,6 +98,12 @@ def test_eval_classifier_is_classify(data, server, tmp_path, layout):
     assert 0.5 < metrics["top1"] < 1  # the photographs are not digits
     assert {e["key"] for e in metrics["errors"]} == data.bad(layout)
     assert all(e["reason"] for e in metrics["errors"])
+    sources = {e["source"] for e in metrics["errors"]}
+    if layout == "webdataset":  # the shard each came from
+        assert sources <= {str(p) for p in data.shard_paths}
+    else:  # the bad file itself
+        root = data.folder if layout == "folder" else data.manifest.parent
+        assert sources == {str(root / key) for key in data.bad(layout)}
     rows = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     assert {r["key"]: r["top5"] for r in rows} == served
     assert metrics["package_sha256"] and metrics["command"].startswith("softmoe eval")
@@ -166,9 +172,12 @@ def test_embed_is_v1_embed_bitwise(data, server, tmp_path, layout):
         else:
             assert row["text"] is None and row["text_embedding"] is None
         assert row["label"] == it.label
-    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    errors = [json.loads(line) for line in (out / "_errors.jsonl").read_text().splitlines()]
     assert {e["key"] for e in errors} == data.bad(layout)
-    summary = json.loads((out / "summary.json").read_text())
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(out).sort_by("key").equals(table)  # the directory reads as the shards alone
+    summary = json.loads((out / "_summary.json").read_text())
     assert summary["n"] == len(good) and summary["errors"] == len(data.bad(layout))
 
 

@@ -37,7 +37,7 @@ def test_embed_on_ray_gives_the_local_rows(data, tmp_path, ray_cluster):
     a, b = _table(local), _table(remote)
     assert a.num_rows == len([it for it in data.items if it.good])
     assert a.equals(b)  # every column, bitwise
-    errors = [{"key": e["key"], "reason": e["reason"]} for e in map(json.loads, (remote / "errors.jsonl").read_text().splitlines())]
+    errors = [{"key": e["key"], "reason": e["reason"]} for e in map(json.loads, (remote / "_errors.jsonl").read_text().splitlines())]
     assert {e["key"] for e in errors} == data.bad("webdataset")
     assert sorted(p.name for p in remote.glob("*.parquet")) == sorted(p.name for p in local.glob("*.parquet"))
     # A rerun on Ray skips what is written, like a local one.
