@@ -57,7 +57,7 @@ def precheck_labels(facts, dataset: Dataset) -> None:
     index = {n: i for i, n in enumerate(names)}
     labels = {s.label for u in dataset.units for s in u.samples() if s.label is not None and s.error is None}
     if not labels:
-        raise JobError(f"the dataset has no labels to score a classifier against (class folders, a label column)")
+        raise JobError("the dataset has no labels to score a classifier against (class folders, a label column)")
     bad = sorted(label for label in labels if map_label(label, index, len(names)) is None)
     if bad:
         shown = ", ".join(repr(b) for b in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")

@@ -82,11 +82,11 @@ def bomb_png() -> bytes:
 
 
 def test_64_pixel_bombs_are_refused_before_any_decoding(url, bomb_png, monkeypatch):
-    import server.service
+    import server.pipeline.prepare as prepare  # every image path decodes through it
 
     calls = []
-    real = server.service.decode
-    monkeypatch.setattr(server.service, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = prepare.decode
+    monkeypatch.setattr(prepare, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
     assert len(bomb_png) < 200_000
     r = httpx.post(f"{url}/v1/classify", json={"images": [b64(bomb_png)] * 64}, timeout=60)
     body = _refused(r, 413, "6000x6000")
@@ -97,11 +97,11 @@ def test_64_pixel_bombs_are_refused_before_any_decoding(url, bomb_png, monkeypat
 
 def test_request_pixel_budget_counts_all_images_together(served, monkeypatch):
     app, url = served
-    import server.service
+    import server.pipeline.prepare as prepare  # every image path decodes through it
 
     calls = []
-    real = server.service.decode
-    monkeypatch.setattr(server.service, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = prepare.decode
+    monkeypatch.setattr(prepare, "decode", lambda *a, **k: calls.append(1) or real(*a, **k))
     # Each image is within the per-image limit; together they are not.
     s = app.state.settings
     side = int((s.max_image_pixels) ** 0.5)
