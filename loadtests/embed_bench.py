@@ -1,6 +1,6 @@
 """`softmoe embed` over a folder of JPEGs vs the raw backend on the same model and machine.
 
-    python -m loadtests.embed_bench [--package DIR] [--images 384] [--rounds 2] [--seconds 30]
+    python -m loadtests.embed_bench [--package DIR] [--images 512] [--rounds 3] [--seconds 30]
 
 The raw side is the backend as `softmoe serve` builds it (the same settings: their defaults),
 called at a full batch of pixels already in memory, as many calls at once as the server runs
@@ -69,7 +69,7 @@ def section(mode: str, workdir: Path) -> dict[str, Any]:
     from server.default_model import SHIPPED
 
     package = heavy_package(mode, workdir) or SHIPPED / "digits"
-    images, rounds, seconds = pick(mode, (384, 2, 30.0), (192, 1, 15.0), (24, 1, 0.3))
+    images, rounds, seconds = pick(mode, (512, 3, 30.0), (192, 1, 15.0), (24, 1, 0.3))
     print(f"\nsoftmoe embed vs the raw backend, {package.name}, {images} 640x480 JPEGs, {rounds} rounds:")
     return run(str(package), images=images, rounds=rounds, seconds=seconds, workdir=workdir)
 
@@ -77,8 +77,8 @@ def section(mode: str, workdir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--package", help="model package (default: `softmoe init soft-s16-e128` in a temporary dir)")
-    parser.add_argument("--images", type=int, default=384)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--images", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=30.0, help="each raw backend window")
     args = parser.parse_args(argv)
     import tempfile
