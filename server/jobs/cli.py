@@ -119,6 +119,16 @@ def _open(args, settings) -> tuple[Dataset, str]:
     return dataset, digest
 
 
+def _start(args, settings) -> tuple[DecodePool, JobModel]:
+    """The decode processes, started first so they start while the model loads, then the model."""
+    pool = DecodePool(settings)
+    try:
+        return pool, JobModel.load(args.package, settings, say)
+    except BaseException:
+        pool.close()
+        raise
+
+
 # ------------------------------------------------------------------ embed
 
 
@@ -134,12 +144,7 @@ def cmd_embed(args: argparse.Namespace) -> None:
         run_embed(args, settings, dataset, digest, out)
         return
     t0 = time.perf_counter()
-    pool = DecodePool(settings)  # its processes start while the model loads
-    try:
-        job = JobModel.load(args.package, settings, say)
-    except BaseException:
-        pool.close()
-        raise
+    pool, job = _start(args, settings)
     try:
         facts = job.facts()
         sink = sink_for(out, facts, dataset, args.data, digest)
@@ -170,9 +175,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raise JobError("softmoe eval PKG DATA needs --out DIR")
     settings = job_settings(args)
     dataset, digest = _open(args, settings)
-    classnames = read_lines(args.classnames) if args.classnames else None
     if args.classnames and not Path(args.classnames).is_file():
         raise JobError(f"--classnames {args.classnames}: no such file")
+    classnames = read_lines(args.classnames) if args.classnames else None
     templates = [t for value in args.templates for t in read_lines(value)] if args.templates else None
     for t in templates or ():
         if t.count("{}") > 1:
@@ -183,12 +188,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
         run_eval(args, settings, dataset, digest, Path(args.out), classnames, templates)
         return
     t0 = time.perf_counter()
-    pool = DecodePool(settings)  # its processes start while the model loads
-    try:
-        job = JobModel.load(args.package, settings, say)
-    except BaseException:
-        pool.close()
-        raise
+    pool, job = _start(args, settings)
     try:
         from .evaluate import EvalSink
 
