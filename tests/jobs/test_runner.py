@@ -26,16 +26,18 @@ def test_a_dead_decoder_process_fails_nothing_but_its_own_entry(tmp_path):
 
     buf = io.BytesIO()
     Image.fromarray(load_sample_image("china.jpg")).resize((2560, 1920)).save(buf, "JPEG", quality=90)
-    entries = [(None, buf.getvalue())] * 24 + [(None, b"not an image")]
+    photo, junk = (None, buf.getvalue()), (None, b"not an image")
     cfg = PreprocessConfig(image_size=32)
     pool = DecodePool(Settings(), workers=1)
     pool.use(cfg, False)
     try:
-        calm = asyncio.run(pool.prepare(entries))
+        (row, why), (none, reason) = asyncio.run(pool.prepare([photo, junk]))  # undisturbed
+        assert why is None and none is None and reason
 
         async def disturbed():
-            task = asyncio.ensure_future(pool.prepare(entries))
-            await asyncio.sleep(0.5)  # the chunk is being decoded
+            task = asyncio.ensure_future(pool.prepare([photo] * 150 + [junk]))  # seconds of decoding
+            await asyncio.sleep(0.5)
+            assert not task.done()
             for pid in list(pool.pool._processes):
                 os.kill(pid, signal.SIGKILL)
             return await task
@@ -45,12 +47,9 @@ def test_a_dead_decoder_process_fails_nothing_but_its_own_entry(tmp_path):
         assert pool.pool is not first  # a new pool took over
     finally:
         pool.close()
-    assert len(got) == len(calm)
-    for (row_a, why_a), (row_b, why_b) in zip(calm, got):
-        assert why_a == why_b
-        if row_a is not None:
-            assert np.array_equal(row_a["pixel_values"], row_b["pixel_values"])
-    assert calm[-1][1] and calm[0][1] is None
+    assert len(got) == 151 and got[-1] == (None, reason)
+    for r, w in got[:-1]:
+        assert w is None and np.array_equal(r["pixel_values"], row["pixel_values"])
 
 
 class _Tty(io.StringIO):
