@@ -45,7 +45,10 @@ from .graphs import Graph, graphs_for
 from .op_support import replace_node, sparse_ops_for_tensorrt
 
 ExpertsForm = Literal["per-expert", "batched"]
-SparseDispatch = Literal["fused", "einsum"]  # sparse V-MoE layers: gathers (served) or vmoe's einsums (bench)
+# Sparse V-MoE layers: "fused" (served: Tokens Choice runs each expert over the claims it kept,
+# Experts Choice over its C tokens), "capacity" (Tokens Choice's experts over their whole capacity
+# buffers, the fused form before; bench only) or vmoe's einsums (bench only).
+SparseDispatch = Literal["fused", "capacity", "einsum"]
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SUPPORTED_OPSETS = range(18, 24)  # what the dynamo exporter and onnxscript's torchlib emit
 DEFAULT_OPSET = 20  # Gelu(approximate='tanh') exists from 20
@@ -445,8 +448,8 @@ def export_onnx(
         raise ExportError(f"unknown precision {precision!r}: use fp32, fp16 or bf16")
     if experts not in ("per-expert", "batched"):
         raise ExportError(f"unknown experts form {experts!r}: use per-expert or batched")
-    if sparse_dispatch not in ("fused", "einsum"):
-        raise ExportError(f"unknown sparse dispatch {sparse_dispatch!r}: use fused or einsum")
+    if sparse_dispatch not in ("fused", "capacity", "einsum"):
+        raise ExportError(f"unknown sparse dispatch {sparse_dispatch!r}: use fused, capacity or einsum")
     providers = _verify_providers(precision)
     package = Path(package)
     if not package.exists():
@@ -463,7 +466,10 @@ def export_onnx(
     sparse = bool(sparse_moe_layers(model))
     if sparse_dispatch != "fused" and not sparse:
         raise ExportError(f"sparse_dispatch={sparse_dispatch!r} is for sparse V-MoE packages; {package} has none")
-    configure_sparse_routing(export_model, fused=sparse_dispatch == "fused")
+    # The routed form's experts as one GEMM per expert over exactly its rows (row_block 0): ONNX
+    # Runtime's GEMMs give a row the same bits at any row count (verified below, per image).
+    configure_sparse_routing(export_model, fused=sparse_dispatch != "einsum", row_block=0,
+                             tokens_form="capacity" if sparse_dispatch == "capacity" else "routed")
     graphs = graphs_for(export_model, dtype)
     if not routing:
         graphs.pop("routing", None)

@@ -38,6 +38,7 @@ expert outputs leaving them are rounded to bfloat16; gates, weights and sums sta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,10 @@ from torch import nn
 
 from .config import CapacityRounding, MoEConfig, Router, compute_capacity
 from .soft_moe import CapturesRouting
+
+
+TokensForm = Literal["routed", "capacity"]
+MIN_ROW_BLOCK = 4  # softmoe_models.batch_invariance.MIN_GEMM_ROWS: CPU GEMMs of fewer rows take small-M kernels
 
 
 def _bf16_round(x: torch.Tensor) -> torch.Tensor:
@@ -186,6 +191,15 @@ class SparseMoE(CapturesRouting, nn.Module):
         self.batch_priority = batch_priority
         self.bf16_dispatch = bf16_dispatch
         self.fused = fused
+        # Tokens Choice's fused form: "routed" (default) runs each expert over the claims it kept
+        # and nothing else; "capacity" over its whole capacity buffer (the form before, for the
+        # benchmark that compares them).
+        self.tokens_form: TokensForm = "routed"
+        # The routed form's GEMM row block (_experts_routed): 4 in torch (every GEMM of 4 rows, the
+        # smallest count whose rows CPU GEMMs give the bits of any larger one); 0 for the ONNX
+        # export (each expert one GEMM over exactly its rows).
+        self.row_block = MIN_ROW_BLOCK
+        self.rows_computed: int | None = None  # expert rows the last eager call computed (all images, this layer)
         # Images per routing group. 1 (the default, and what serving uses): an image's routing and
         # output never depend on its batch-mates. vmoe trained and evaluated with 8 (group_size =
         # 8 images' tokens); set it only to reproduce those numbers (the batch must then be a
@@ -240,6 +254,8 @@ class SparseMoE(CapturesRouting, nn.Module):
         xd = _bf16_round(xs) if self.bf16_dispatch else xs
         if not self.fused:
             y = self._forward_reference(xd, routing)
+        elif isinstance(routing, TokensChoice) and self.tokens_form == "capacity":
+            y = self._forward_tokens_choice_capacity(xd, routing)
         elif isinstance(routing, TokensChoice):
             y = self._forward_tokens_choice(xd, routing)
         else:
@@ -251,6 +267,7 @@ class SparseMoE(CapturesRouting, nn.Module):
     def _experts(self, buf: torch.Tensor) -> torch.Tensor:
         """``(E, R, d) -> (E, R, d)``: expert e's MLP on its R buffer rows."""
         rows = buf.shape[1]
+        self.rows_computed = buf.shape[0] * max(rows, self.min_expert_rows)
         if rows < self.min_expert_rows:
             buf = F.pad(buf, (0, 0, 0, self.min_expert_rows - rows))
         h = F.gelu(torch.baddbmm(self.b1.unsqueeze(1), buf, self.w1), approximate="tanh")  # (E, R, M)
@@ -270,6 +287,88 @@ class SparseMoE(CapturesRouting, nn.Module):
     # ------------------------------------------------------------------ fused path
 
     def _forward_tokens_choice(self, xs: torch.Tensor, r: TokensChoice) -> torch.Tensor:
+        """The routed rows only: every kept claim of the batch sorted by expert (a stable order:
+        group, token, choice within an expert), each expert's MLP over its own rows, and every
+        claim reading its row back. Nothing is computed for an empty capacity slot or a dropped
+        claim; the rows an expert runs are exactly the claims vmoe's capacity rule kept."""
+        g, s, d = xs.shape
+        e, k = self.num_experts, self.experts_per_token
+        a = g * s * k
+        # A dropped claim gets key E: it sorts after every expert's rows and no expert runs it.
+        key = torch.where(r.kept, r.expert, e).reshape(a)  # (A,) claims in (group, token, choice) order
+        hot = (key.unsqueeze(-1) == torch.arange(e + 1, device=xs.device)).to(torch.int32)  # (A, E+1), no one-hot op
+        count = hot.sum(dim=0)  # (E+1,) kept claims per expert over the batch; [E]: the dropped ones
+        first = count.cumsum(dim=0) - count  # (E+1,) where each expert's rows start
+        rank = ((hot.cumsum(dim=0) - 1) * hot).sum(dim=-1)  # (A,) the claim's number at its expert
+        dest = (first.gather(0, key) + rank).to(torch.int64)  # (A,) the claim's row, a permutation of 0..A-1
+        token = torch.arange(g * s, device=xs.device).unsqueeze(-1).expand(g * s, k).reshape(a)  # (A,) claim's token
+        token = torch.empty_like(dest).scatter_(0, dest, token)  # (A,) each row's token (no division node)
+        rows = xs.reshape(g * s, d).index_select(0, token)  # (A, d) exact copies, by expert
+        out = self._experts_routed(rows, count[:e])  # (A, d); rows past the kept claims: 0
+        got = out.index_select(0, dest).view(g, s, k, d)  # each claim's own row back
+        w = r.gate.to(xs.dtype).unsqueeze(-1)  # (G, S, K, 1), not renormalised
+        # Sum over the K choices in choice order, a dropped one contributing exactly 0 (as the
+        # capacity form below; for K <= 2 a + b is exact in either order, so vmoe's einsum order
+        # over (E, C) can differ only in its multiply-add rounding).
+        return torch.where(r.kept.unsqueeze(-1), w * got, 0).sum(dim=2)  # (G, S, d)
+
+    def _experts_routed(self, rows: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """``(A, d) -> (A, d)``: expert e's MLP on its ``count[e]`` rows, which follow expert
+        e-1's; the rows after the last expert's (dropped claims) come back as zeros.
+
+        ``row_block`` 0: each expert one GEMM over exactly its rows (ONNX export: a Slice and
+        constant 2-D MatMuls per expert, which ONNX Runtime prepacks; MLAS gives a row the same bits
+        whatever the row count, which every export verifies, ``export.onnx``). ``row_block`` b:
+        each expert's rows zero-padded to a multiple of b and run as GEMMs of exactly b rows each
+        (torch's CPU GEMMs give a row other bits at other row counts, and a row count here depends
+        on the batch-mates; GEMMs of one shape do not)."""
+        a, d = rows.shape
+        if torch.compiler.is_exporting():
+            starts = count.cumsum(dim=0) - count
+            segs = []
+            for i in range(self.num_experts):
+                n, start = count[i].item(), starts[i].item()
+                torch._check_is_size(n)
+                torch._check_is_size(start)
+                torch._check(start + n <= a)
+                segs.append(self._expert(i, rows.narrow(0, start, n)))
+            done = sum(seg.shape[0] for seg in segs)
+            segs.append(rows.new_zeros(a - done, d))
+            self.rows_computed = None
+            return torch.cat(segs)
+        sizes = count.tolist()
+        segs, start = [], 0
+        computed = 0
+        for i, n in enumerate(sizes):
+            if n:
+                seg = rows[start:start + n]
+                start += n
+                if self.row_block:
+                    pad = -n % self.row_block
+                    seg = F.pad(seg, (0, 0, 0, pad)).view(-1, self.row_block, d)
+                    segs.append(self._expert(i, seg).reshape(-1, d)[:n])
+                    computed += n + pad
+                else:
+                    segs.append(self._expert(i, seg))
+                    computed += n
+        segs.append(rows.new_zeros(a - start, d))
+        self.rows_computed = computed
+        return torch.cat(segs)
+
+    def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert i's MLP on ``(n, d)`` rows, or ``(blocks, b, d)`` as GEMMs of b rows each."""
+        if x.dim() == 3:
+            nb = x.shape[0]
+            h = F.gelu(torch.baddbmm(self.b1[i], x, self.w1[i].expand(nb, -1, -1)), approximate="tanh")
+            y = torch.baddbmm(self.b2[i], h, self.w2[i].expand(nb, -1, -1))
+        else:
+            h = F.gelu(torch.addmm(self.b1[i], x, self.w1[i]), approximate="tanh")  # (n, M)
+            y = torch.addmm(self.b2[i], h, self.w2[i])  # (n, d)
+        return _bf16_round(y) if self.bf16_dispatch else y
+
+    def _forward_tokens_choice_capacity(self, xs: torch.Tensor, r: TokensChoice) -> torch.Tensor:
+        """The capacity form (before the routed one; kept for the benchmark that compares them):
+        every expert runs over its whole capacity buffer, empty slots as zero rows."""
         g, s, d = xs.shape
         e, k = self.num_experts, self.experts_per_token
         # An expert gets at most one claim per token, so slots from S on stay empty: drop them.
@@ -358,11 +457,18 @@ def configure_sparse_routing(
     fused: bool | None = None,
     bf16_dispatch: bool | None = None,
     group_images: int | None = None,
+    tokens_form: TokensForm | None = None,
+    row_block: int | None = None,
 ) -> nn.Module:
-    """Set the path, dispatcher dtype and (for reproducing vmoe's grouped numbers only) the images
-    per routing group of every sparse MoE layer in ``model``; returns ``model``."""
+    """Set the path, dispatcher dtype, Tokens Choice form, the routed form's GEMM row block and (for
+    reproducing vmoe's grouped numbers only) the images per routing group of every sparse MoE layer
+    in ``model``; returns ``model``."""
     if group_images is not None and group_images < 1:
         raise ValueError(f"group_images must be >= 1, got {group_images}")
+    if tokens_form is not None and tokens_form not in ("routed", "capacity"):
+        raise ValueError(f"tokens_form must be 'routed' or 'capacity', got {tokens_form!r}")
+    if row_block is not None and row_block < 0:
+        raise ValueError(f"row_block must be >= 0, got {row_block}")
     for layer in sparse_moe_layers(model):
         if fused is not None:
             layer.fused = fused
@@ -370,4 +476,8 @@ def configure_sparse_routing(
             layer.bf16_dispatch = bf16_dispatch
         if group_images is not None:
             layer.group_images = group_images
+        if tokens_form is not None:
+            layer.tokens_form = tokens_form
+        if row_block is not None:
+            layer.row_block = row_block
     return model

@@ -140,9 +140,16 @@ def test_fused_path_equals_reference(router, k, bpr, cf, group_images, bf16):
     x = torch.randn(4, 9, 16)
     with torch.no_grad():
         fused = layer(x)
+        forms = {}
+        for form, block in (("routed", 0), ("routed", 3), ("capacity", 4)):
+            configure_sparse_routing(layer, tokens_form=form, row_block=block)
+            forms[form, block] = layer(x)
+        configure_sparse_routing(layer, tokens_form="routed", row_block=4)
         layer.fused = False
         ref = layer(x)
     assert (fused - ref).abs().max() <= 1e-6
+    for got in forms.values():  # routed rows, in blocks or not, and the capacity buffers (GEMMs of other sizes)
+        assert (got - ref).abs().max() <= 1e-6
     layer.capture = True
     try:
         layer(x)
@@ -153,6 +160,48 @@ def test_fused_path_equals_reference(router, k, bpr, cf, group_images, bf16):
     assert torch.equal(fused[dropped], torch.zeros_like(fused[dropped]))  # the MoE output is exactly 0
     if cf == 0.5:
         assert claims_dropped > 0 and (k > 1 or dropped.any())
+
+
+@pytest.mark.parametrize("k, cf", [(1, 4.0), (2, 1.05), (1, 0.5)])
+def test_routed_form_computes_the_kept_claims_only(k, cf):
+    """Tokens Choice's routed form runs each expert over exactly the claims it kept (row_block 0),
+    or those rounded up to whole blocks per expert; the capacity form over E x C rows per group."""
+    torch.manual_seed(1)
+    layer = SparseMoE(16, 6, 24, experts_per_token=k, capacity_factor=cf)
+    x = torch.randn(3, 20, 16)
+    layer.capture = True
+    with torch.no_grad():
+        configure_sparse_routing(layer, row_block=0)
+        layer(x)
+        kept = int(layer.internals["dispatched"].sum())
+        per_expert = layer.internals["expert_load"].sum(0)  # (E,) kept claims over the batch
+        assert layer.rows_computed == kept == 3 * 20 * k - int(layer.internals["dropped"].sum())
+        configure_sparse_routing(layer, row_block=4)
+        layer(x)
+        assert layer.rows_computed == int(((per_expert + 3) // 4 * 4).sum())
+        configure_sparse_routing(layer, tokens_form="capacity")
+        layer(x)
+        assert layer.rows_computed == 6 * 3 * min(layer.capacity(20), 20)
+    if cf == 0.5:
+        assert kept < 3 * 20 * k  # drops, never run
+
+
+def test_routed_rows_are_independent_of_batch_mates(block=4):
+    """An image's outputs are the same bits alone, among others and at another position, at S/16's
+    widths: every expert GEMM of ``row_block`` rows (torch's CPU GEMMs give a row other bits at
+    other row counts, which the routed form's batch-mates change: with ``block=0`` this fails here).
+    Exact row counts are the export's form, for ONNX Runtime, whose GEMMs keep a row's bits:
+    tests/export/test_sparse_export.py."""
+    torch.manual_seed(2)
+    layer = SparseMoE(384, 8, 1536, experts_per_token=2, capacity_factor=4.0)
+    configure_sparse_routing(layer, row_block=block)
+    x = torch.randn(9, 50, 384)
+    with torch.no_grad():
+        full = layer(x)
+        for i in (0, 4, 8):
+            assert torch.equal(layer(x[i:i + 1])[0], full[i]), i
+            assert torch.equal(layer(x[[i, (i + 3) % 9]])[0], full[i]), i
+        assert torch.equal(layer(x.flip(0)), full.flip(0))
 
 
 def test_group_images_must_divide_the_batch():
