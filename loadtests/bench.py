@@ -33,7 +33,7 @@ object with every ratio):
              and Ray heartbeats, which took CPU from whichever server was measured.
   decode_nice  `--decode-nice 10` vs 0 on digits (loadtests/decode_nice_bench.py; a heavy model:
              its --package DIR): images/s at saturation and p50 at concurrency 1.
-  protocol   The HTTP protocol's own CPU per request, bounded request heads (server.connection) vs
+  protocol   The HTTP protocol's own CPU per request, bounded request heads (server.http.connection) vs
              uvicorn's httptools, without network or model (loadtests/protocol_cost.py).
   grpc       OIP v2 over gRPC (tritonclient.grpc, raw tensors) vs over HTTP with JSON data and with
              binary tensors (tritonclient.http), one server, the same held-out digits one and eight
@@ -182,8 +182,8 @@ def _raw_worker(conn, spec: str, batch: int, size: int, settings: dict) -> None:
     Without routing statistics (the server samples 1 call in 16: the raw side never pays it)."""
     from server.batching.batcher import Batcher
     from server.metrics import Metrics
-    from server.proofs import warmup
-    from server.registry import attach_queues, load_served_model
+    from server.engine.proofs import warmup
+    from server.engine.models import attach_queues, load_served_model
     from server.settings import Settings
 
     resolved = Settings(**{**settings, "routing_stats_sample": 0})
@@ -259,7 +259,7 @@ class RawBackend:
 def warm_cache(spec: str, **settings) -> None:
     """Load the model once in a child process, as `softmoe serve` loads it, so the servers below
     reuse the export cache instead of each exporting soft-s16-e128 for minutes at its start."""
-    code = ("import json, sys; from server.registry import load_served_model; from server.settings import Settings; "
+    code = ("import json, sys; from server.engine.models import load_served_model; from server.settings import Settings; "
             "load_served_model(sys.argv[1], Settings(**json.loads(sys.argv[2])), log=print).backend.close()")
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", code, spec, json.dumps(settings)], cwd=ROOT, check=True,
@@ -272,7 +272,7 @@ def section_serving(mode: str, workdir: Path) -> dict[str, float]:
     does not fit in 23 GB beside the raw backend): strict vs max batch 1; end to end vs the raw
     backend; strict vs loose at saturation and at concurrency 1; strict with full padding vs loose
     at concurrency 1."""
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
     from server.settings import Settings
     from softmoe_models.package import read_package
 

@@ -33,7 +33,7 @@ def decode_accuracy_cost(alt_decode: Callable, limit: int | None = None) -> dict
     same fp32 torch model on the CPU. Top-1 accuracy of each, their agreement, and the largest
     difference in preprocessed pixel values."""
     from server.backends.torch_backend import TorchBackend
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
     from server.pipeline.decode import decode
     from softmoe_models.package import read_package
     from softmoe_models.preprocess import preprocess_image

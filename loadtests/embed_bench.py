@@ -66,7 +66,7 @@ def run(package: str, *, images: int, rounds: int, seconds: float, workdir: Path
 
 def section(mode: str, workdir: Path) -> dict[str, Any]:
     """`make bench`'s embed section: soft-s16-e128 (digits in --smoke)."""
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
 
     package = heavy_package(mode, workdir) or SHIPPED / "digits"
     images, rounds, seconds = pick(mode, (512, 3, 30.0), (192, 1, 15.0), (24, 1, 0.3))

@@ -69,7 +69,7 @@ def run(package: Path, work: Path, log=print) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
 
     parser = argparse.ArgumentParser(description="server memory after a first-start export, in-process vs child")
     parser.add_argument("--model", type=Path, default=SHIPPED / "digits", help="a model package directory")

@@ -71,7 +71,7 @@ class _Server:
     """`softmoe serve` on a free loopback port, in its own session; its log in a temporary file."""
 
     def __init__(self, workers: int, extra: list[str]) -> None:
-        from server.default_model import SHIPPED
+        from server.engine.defaults import SHIPPED
 
         self.port, self.workers = _free_port(), workers
         self.log_path = Path(tempfile.mkdtemp(prefix="softmoe-fe-bench-")) / "server.log"

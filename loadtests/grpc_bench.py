@@ -64,7 +64,7 @@ def pixel_rows(n: int) -> np.ndarray:
     """``n`` held-out digits (the locust corpus' fixed set) as the digits model's ``pixel_values``
     rows, ``(n, 3, S, S)`` float32, preprocessed by the model's own contract."""
     from loadtests.images import digit_images
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
     from server.pipeline.decode import decode
     from softmoe_models.package import read_package
     from softmoe_models.preprocess import preprocess_image

@@ -39,7 +39,7 @@ def _model(variant: str):
     from softmoe_models.models import build_model
 
     if variant == "digits":
-        from server.default_model import SHIPPED
+        from server.engine.defaults import SHIPPED
         from softmoe_models.package import load_model
 
         return load_model(SHIPPED / "digits")

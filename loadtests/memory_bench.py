@@ -57,7 +57,7 @@ def rss_bytes(pid: int) -> int:
 
 def package_for(model: str, work: Path) -> Path:
     if model == "digits":
-        from server.default_model import SHIPPED
+        from server.engine.defaults import SHIPPED
 
         return SHIPPED / "digits"
     package = work / model

@@ -3,7 +3,7 @@
     python -m loadtests.noop_server --port 8000 [--image-size 224] [--num-classes 1000]
                                     [--max-batch-size 8] [--max-delay-ms 5]
 
-Everything of `softmoe serve` runs (``server.app.create_app``: admission, body parsing, probe,
+Everything of `softmoe serve` runs (``server.http.app.create_app``: admission, body parsing, probe,
 decode and preprocess in the decode pool, the batcher and its worker thread, padding to the
 proven shapes, postprocess, metrics) except the model: the backend returns zeros of the right
 shapes at once. One process, one uvicorn, configured as ``server/run.py`` configures it; the
@@ -48,7 +48,7 @@ class NoopBackend:
 
 def noop_model(image_size: int = 224, num_classes: int = 1000, width: int = 384, max_batch_size: int = 8):
     """A ``ServedModel`` named ``noop``: a classifier with the usual preprocess contract and labels."""
-    from server.registry import ServedModel
+    from server.engine.models import ServedModel
     from softmoe_models.preprocess import PreprocessConfig
 
     backend = NoopBackend(image_size=image_size, num_classes=num_classes, width=width, max_batch_size=max_batch_size)
@@ -60,7 +60,7 @@ def noop_model(image_size: int = 224, num_classes: int = 1000, width: int = 384,
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from server.app import create_app
+    from server.http.app import create_app
     from server.settings import Settings
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

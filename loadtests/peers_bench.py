@@ -59,7 +59,7 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
         return {"peers": "none installed"}
     from export.onnx import read_metadata
     from server.backends.onnxruntime_backend import exported_files
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
     from server.settings import Settings
 
     if model == "digits":

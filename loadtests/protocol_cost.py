@@ -1,4 +1,4 @@
-"""What bounding request heads costs (server.connection): the CPU time per request of uvicorn's
+"""What bounding request heads costs (server.http.connection): the CPU time per request of uvicorn's
 httptools protocol against the bounded one, side by side in one run.
 
     python -m loadtests.protocol_cost [--requests 20000] [--rounds 7]
@@ -83,7 +83,7 @@ async def _per_request_us(protocol_class, requests: int) -> float:
 async def measure(requests: int, rounds: int) -> dict:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from server.connection import bounded_protocol
+    from server.http.connection import bounded_protocol
     from server.metrics import Metrics
     from server.settings import Settings
 
@@ -105,7 +105,7 @@ def section(mode: str) -> dict[str, float]:
 
     requests, rounds = {"full": (20000, 7), "quick": (5000, 3), "smoke": (200, 1)}[mode]
     out = uvloop.run(measure(requests, rounds))
-    print(f"\nprotocol: bounded request heads (server.connection) vs uvicorn's httptools, {requests} keep-alive "
+    print(f"\nprotocol: bounded request heads (server.http.connection) vs uvicorn's httptools, {requests} keep-alive "
           f"requests x {rounds} rounds\n  httptools {out['httptools_us_per_request']} us/request, bounded "
           f"{out['bounded_us_per_request']} us/request: +{out['added_us_per_request']} us "
           f"({out['bounded_over_httptools']}x of the protocol's own cost)")

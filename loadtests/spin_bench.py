@@ -82,7 +82,7 @@ def _backend_alone_child(package: Path, max_batch_size: int, rounds: int) -> dic
 
 def run(package: str | None, *, rounds: int, seconds: float, clients: int, max_batch_size: int,
         log=print) -> dict[str, Any]:
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
 
     pkg = Path(package) if package else SHIPPED / "digits"
     out = _backend_alone_child(pkg, max_batch_size, max(3, 2 * rounds))
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(the bench runs it as a child process)")
     args = parser.parse_args(argv)
     if args.backend_alone:
-        from server.default_model import SHIPPED
+        from server.engine.defaults import SHIPPED
 
         pkg = Path(args.package) if args.package else SHIPPED / "digits"
         print(json.dumps(backend_alone(pkg, batches=(1, args.max_batch_size), rounds=args.rounds,

@@ -1,5 +1,5 @@
 """``python -m server``: the ``softmoe`` command, where the console script is not on PATH."""
 
-from .main import main
+from server.main import main
 
 main()

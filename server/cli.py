@@ -18,7 +18,7 @@ import os
 import re
 import sys
 
-from .settings import Settings
+from server.settings import Settings
 
 ENV_PREFIX = str(Settings.model_config.get("env_prefix") or "")
 MODEL_METAVAR = "[NAME=]PKG"
@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from pydantic import ValidationError
     from pydantic_settings import SettingsError
 
-    from .run import StartupError, serve
+    from server.run import StartupError, serve
 
     try:
         settings = settings_from_args(args)
@@ -120,7 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The dataset jobs' (``serve`` turns its own errors into the one ``error:`` line, ``cmd_serve``)."""
-    from .jobs import cli as jobs_cli
+    from server.jobs import cli as jobs_cli
 
     return jobs_cli.user_errors()
 
@@ -136,6 +136,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help=f"same as --models [env {env_of('models')}]")
     p.set_defaults(func=cmd_serve, settings_source=source)
 
-    from .jobs import cli as jobs_cli  # eval and embed: the served numerics over a dataset
+    from server.jobs import cli as jobs_cli  # eval and embed: the served numerics over a dataset
 
     jobs_cli.add_commands(sub)

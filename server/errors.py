@@ -61,6 +61,13 @@ class UnsupportedMediaType(ServiceError):
     status, type = 415, "unsupported_media_type"
 
 
+class Conflict(ServiceError):
+    """The request cannot run in the server's present state (a load of the model already running, an
+    unload of a model not loaded, model control off): 409, gRPC FAILED_PRECONDITION."""
+
+    status, type = 409, "conflict"
+
+
 class Unprocessable(ServiceError):
     status, type = 422, "invalid_request"
 
@@ -102,4 +109,5 @@ class InferenceFailed(ServiceError):
 
 
 class ModelLoadError(Exception):
-    """A model could not be loaded; the server does not start (a start-up error, not a response)."""
+    """A model could not be loaded: at start-up the server does not start; a load request gets 400
+    naming the problem and changes nothing."""

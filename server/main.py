@@ -16,7 +16,7 @@ import sys
 from export import cli as export_cli
 from softmoe_models import cli as models_cli
 
-from . import cli as serve_cli
+from server import cli as serve_cli
 
 LAYERS = (models_cli, export_cli, serve_cli)  # bottom up: the order of the subcommands in --help
 

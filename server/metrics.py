@@ -30,6 +30,8 @@ REJECT_REASONS = (
 ENDPOINTS = ("classify", "embed", "zero_shot", "embeddings", "oip_infer", "grpc_infer", "routing")
 # Normalised entropies lie in [0, 1] (1: uniform); trained Soft MoE routing sits mostly near the top.
 ENTROPY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0)
+# Loads span a cached tiny model (well under a second) to a first export of a large one (minutes).
+LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 DOOR = "none"  # the model label of refusals made before the model is known
 
 
@@ -122,6 +124,14 @@ class Metrics:
         self.routing_window_images = Gauge(
             "softmoe_routing_window_images", "Sampled images in the live routing window", ["model"], registry=r,
         )
+        self.model_loads = Counter(
+            "softmoe_model_loads_total", "Model loads (start-up and repository control), by outcome: success or "
+            "failure (the serving version, if any, is untouched by a failure)", ["model", "outcome"], registry=r,
+        )
+        self.model_load_duration = Histogram(
+            "softmoe_model_load_duration_seconds", "Time to load a model: package, backend, export or cache, "
+            "proofs and warm-up, until it takes traffic", ["model"], buckets=LOAD_BUCKETS, registry=r,
+        )
         for reason in REJECT_REASONS:
             self.rejected.labels(DOOR, reason)
 
@@ -151,6 +161,16 @@ class Metrics:
         if drift:
             self.routing_drift.labels(model).set(0)
             self.routing_drift_baseline.labels(model).set(0)
+
+    def remove_model(self, model: str) -> None:
+        """Remove every series labelled with ``model`` (it was unloaded), its load history excepted."""
+        for metric in (self.image_latency, self.request_duration, self.batch_size, self.batch_padding_ratio,
+                       self.queue_depth, self.queue_capacity, self.rejected, self.images, self.model_ready,
+                       self.batches, self.cache_hits, self.backend_info, self.routing_dispatch_entropy,
+                       self.routing_combine_entropy, self.routing_expert_share, self.routing_drift,
+                       self.routing_drift_baseline, self.routing_dropped_choices, self.routing_token_choices,
+                       self.routing_window_images):
+            metric.remove_by_labels({"model": model})
 
     def init_errors(self, types: tuple[str, ...], statuses: tuple[int, ...]) -> None:
         for t in types:

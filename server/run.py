@@ -5,7 +5,7 @@ Start-up happens before uvicorn takes over, in this order, and any failure is a
 
 1. bind the port (``--port`` in use fails here, before minutes of loading), and ``--grpc-port``;
 2. check the backend and device can run at all (onnxruntime installed, a CUDA device, ...);
-3. load every model (:func:`server.registry.load_served_model`);
+3. load every model (:func:`server.engine.models.load_served_model`);
 4. the app's lifespan (queues, batcher, warm-up of every batch shape), entered here rather than
    by uvicorn, so a failure there is ours to report and not a uvicorn traceback with exit 3.
 
@@ -19,7 +19,7 @@ calls in flight finish before the lifespan ends.
 
 ``--frontend-workers N`` (N >= 2): this process binds the port and supervises one engine process
 (the models, the batcher) and N front-end processes serving the port (``_frontend_main``); see
-``server.batching.supervisor.Supervisor``. Start-up errors and signals behave as above.
+``server.workers.supervisor.Supervisor``. Start-up errors and signals behave as above.
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ from types import FrameType
 
 import uvicorn
 
-from .app import create_app
-from .settings import Settings
-from .startup import StartupError, check_backend, describe, load_models
+from server.http.app import create_app
+from server.settings import Settings
+from server.engine.startup import StartupError, check_backend, describe, load_models
 
 log = logging.getLogger("softmoe.server")
 
@@ -119,7 +119,7 @@ async def _start_grpc(app, grace: float, reuse_port: bool = False):
     settings = app.state.settings
     if not settings.grpc_port:
         return None
-    from .grpc_api.service import start
+    from server.grpc_api.service import start
 
     try:
         return await start(app, settings.host, settings.grpc_port, reuse_port=reuse_port)
@@ -135,9 +135,9 @@ def _server(app, settings: Settings) -> DrainingServer:
 
 def uvicorn_options(settings: Settings, metrics) -> dict:
     """What every uvicorn serving an app here is given (tests' live servers too): the HTTP protocol
-    with bounded request heads (server.connection), no access log, and a graceful shutdown that
+    with bounded request heads (server.http.connection), no access log, and a graceful shutdown that
     outlasts the longest request."""
-    from .connection import bounded_protocol, default_max_connections
+    from server.http.connection import bounded_protocol, default_max_connections
 
     return dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False,
                 http=bounded_protocol(settings.header_timeout_s, settings.max_header_bytes, settings.request_timeout_s,
@@ -179,7 +179,7 @@ def serve(settings: Settings) -> None:
             raise StartupError(f"--grpc-port: {e} (0 turns gRPC off)") from None
     try:
         if settings.frontend_workers >= 2:  # N front-end processes and one engine process
-            from .batching.supervisor import Supervisor
+            from server.workers.supervisor import Supervisor
 
             Supervisor(settings, sock, _frontend_main).run()
         else:
@@ -210,7 +210,7 @@ def run_on_uvicorns_loop(coro) -> None:
 
 
 def _http_parser(http) -> str:
-    """The HTTP protocol uvicorn runs: ours (server.connection, on httptools), or what its
+    """The HTTP protocol uvicorn runs: ours (server.http.connection, on httptools), or what its
     ``http="auto"`` resolves to, httptools where installed, else h11."""
     if isinstance(http, type):
         return f"{getattr(http, 'parser_name', http.__name__)}, {getattr(http, 'limits', 'no limits')}"
@@ -229,7 +229,7 @@ def _frontend_main(settings: Settings, index: int, sock: socket.socket, path: st
     """A front-end process: the app with a RemoteBatcher, uvicorn on the shared socket."""
     import os
 
-    from .batching.engine import child_setup, tell
+    from server.workers.process import child_setup, tell
 
     child_setup(settings.log_level, lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
@@ -248,8 +248,8 @@ async def _serve_frontend(settings: Settings, index: int, sock: socket.socket, p
     the engine did it), report ready, serve until a signal."""
     import os
 
-    from .batching.engine import tell
-    from .batching.remote import RemoteBatcher, merge_process_metrics
+    from server.workers.process import tell
+    from server.workers.remote import RemoteBatcher, merge_process_metrics
 
     remote = RemoteBatcher(settings.device, index, lock)
     try:

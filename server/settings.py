@@ -21,6 +21,22 @@ class Settings(BaseSettings):
         description="models to serve, each PKG or NAME=PKG (a package dir or an exported .onnx); "
         "env: SOFTMOE_MODELS as a JSON list; none: the built-in default model",
     )
+    model_repository: str = Field(
+        "", description="a folder of model packages, each folder a model named after it (Triton's model "
+        "repository); served beside --model's",
+    )
+    model_control_mode: Literal["none", "explicit", "poll"] = Field(
+        "none",
+        description="none: load the whole repository at start, refuse load and unload requests; explicit: load "
+        "the --load-model names at start, then take load and unload requests (/v2/repository/...); poll: load "
+        "the whole repository, then rescan it every --repository-poll-s and load new or changed packages, "
+        "unload removed ones",
+    )
+    load_model: list[str] = Field(
+        default_factory=list,
+        description="with --model-control-mode explicit: repository models to load at start (repeatable; '*': all)",
+    )
+    repository_poll_s: float = Field(15.0, gt=0, le=86_400, description="--model-control-mode poll: seconds between rescans")
     backend: Literal["auto", "torch", "onnxruntime", "tensorrt"] = Field(
         "auto",
         description="inference backend; auto: the fastest one verified equal on the device: onnxruntime on cpu "
@@ -202,6 +218,20 @@ class Settings(BaseSettings):
     log_level: str = Field("info", description="uvicorn log level")
 
     @model_validator(mode="after")
+    def _check_control(self):
+        """Model control needs a repository; live loads need the engine in this process."""
+        if self.model_control_mode != "none" and not self.model_repository:
+            raise ValueError(f"--model-control-mode {self.model_control_mode} needs --model-repository DIR")
+        if self.load_model and self.model_control_mode != "explicit":
+            raise ValueError("--load-model names the models --model-control-mode explicit loads at start; the "
+                             f"mode is {self.model_control_mode} (none and poll load the whole repository)")
+        if self.model_control_mode != "none" and self.frontend_workers >= 2:
+            raise ValueError(f"--model-control-mode {self.model_control_mode} changes models while serving, which "
+                             "--frontend-workers >= 2 does not support (the front ends hold the models' descriptions); "
+                             "use one process, or --model-control-mode none")
+        return self
+
+    @model_validator(mode="after")
     def _resolve_backend(self):
         """``auto`` becomes a concrete backend at once, so everything downstream (and the logs,
         metrics and /v2/models) names what really runs."""
@@ -218,7 +248,7 @@ class Settings(BaseSettings):
             self.concurrent_batches = 2 if wide and threads >= 2 else 1
         return self
 
-    @field_validator("models", "jpeg_draft", mode="before")
+    @field_validator("models", "jpeg_draft", "load_model", mode="before")
     @classmethod
     def _split(cls, value):
         if isinstance(value, str):

@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from helpers.images import b64
-from server.app import create_app
-from server.default_model import SHIPPED
+from server.http.app import create_app
+from server.engine.defaults import SHIPPED
 from server.settings import Settings
 from softmoe_models.demo.data import PREPROCESS, WORDS, digit_png, load_splits, pixels_from_png
 from softmoe_models.demo.evaluate import evaluate

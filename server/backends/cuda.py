@@ -23,9 +23,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from ..errors import ModelLoadError
+from server.errors import ModelLoadError
 
-from .base import FunctionSpec, Rows
+from server.backends.base import FunctionSpec, Rows
 
 CUDA_EP = "CUDAExecutionProvider"
 

@@ -19,7 +19,7 @@ from export.runtime import ort_session
 from softmoe_models.routing import OUTPUTS as SOFT_ROUTING_OUTPUTS
 from softmoe_models.sparse_routing import OUTPUTS as SPARSE_ROUTING_OUTPUTS
 
-from .base import ROUTING, FunctionSpec, InputSpec, Rows, all_functions, warm
+from server.backends.base import ROUTING, FunctionSpec, InputSpec, Rows, all_functions, warm
 
 ROLE_TO_FN = {"classifier": "classify", "image": "image", "text": "text", "encoder": "encoder", "routing": ROUTING}
 
@@ -165,7 +165,7 @@ class OnnxRuntimeBackend:
         """
         import onnxruntime as ort
 
-        from .cuda import CUDA_EP, ort_cuda_preflight, ort_cuda_session, require_ort_provider
+        from server.backends.cuda import CUDA_EP, ort_cuda_preflight, ort_cuda_session, require_ort_provider
 
         if device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {device!r}: use cpu or cuda")
@@ -249,7 +249,7 @@ class OnnxRuntimeBackend:
                 if runner is None:
                     import onnxruntime as ort
 
-                    from .cuda import OrtCudaGraphRunner
+                    from server.backends.cuda import OrtCudaGraphRunner
 
                     runner = self._graph_runners[fn] = OrtCudaGraphRunner(ort, self.sessions[fn], self._specs[fn],
                                                                           self.max_batch_size)
@@ -259,10 +259,10 @@ class OnnxRuntimeBackend:
             outs = sess.run(list(names), {k: np.ascontiguousarray(v) for k, v in inputs.items()})
             return dict(zip(names, outs))
         except Exception as e:
-            from .cuda import is_sticky_cuda_message
+            from server.backends.cuda import is_sticky_cuda_message
 
             if self.device == "cuda" and is_sticky_cuda_message(str(e)):
-                from .failures import FatalBackendError
+                from server.backends.failures import FatalBackendError
 
                 raise FatalBackendError(f"CUDA context unusable: {' '.join(str(e).split())[:300]}") from e
             raise

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import ROUTING, FunctionSpec, InputSpec, Rows, warm
+from server.backends.base import ROUTING, FunctionSpec, InputSpec, Rows, warm
 
 
 class TensorRTBackend:

@@ -25,9 +25,9 @@ from softmoe_models.package import load_model, read_package
 from softmoe_models.preprocess import pixel_table
 from softmoe_models.soft_moe import configure_routing
 
-from .failures import FatalBackendError
-from .base import PIXELS, ROUTING, FunctionSpec, InputSpec, Rows, all_functions, routing_spec, specs_from_graphs, warm
-from .cuda import (
+from server.backends.failures import FatalBackendError
+from server.backends.base import PIXELS, ROUTING, FunctionSpec, InputSpec, Rows, all_functions, routing_spec, specs_from_graphs, warm
+from server.backends.cuda import (
     TorchCudaRunner, check_module_device, configure_torch_determinism, is_sticky_cuda_error, require_torch_cuda,
     resolve_precision,
 )

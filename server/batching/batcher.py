@@ -66,9 +66,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..backends.failures import FatalBackendError, classify
-from ..errors import BackendFailure, DeadlineExceeded, InferenceFailed, QueueFull, Unavailable
-from ..metrics import Metrics
+from server.backends.failures import FatalBackendError, classify
+from server.errors import BackendFailure, DeadlineExceeded, InferenceFailed, QueueFull, Unavailable
+from server.metrics import Metrics
 
 Rows = dict[str, np.ndarray]
 log = logging.getLogger("softmoe.batcher")
@@ -97,8 +97,13 @@ class ModelQueue:
     def __init__(
         self, name: str, label: str, fn: Callable[[Rows], Rows], *, max_batch_size: int,
         max_delay_s: float, max_queue: int, pad: bool, metrics: Metrics | None = None, eager: bool = False,
+        group: str | None = None,
     ) -> None:
         self.name, self.label, self.fn = name, label, fn
+        # The queues of one loaded model version (its functions); two versions of a model share the
+        # label (its metrics) while the old one drains, not the group.
+        self.group = group or label
+        self.running = 0  # calls of this queue in progress (a retiring version waits for them)
         self.max_batch_size, self.max_delay_s, self.max_queue, self.pad = max_batch_size, max_delay_s, max_queue, pad
         # Eager (--eager-batching): an idle worker does not wait for more items when none is known
         # to be coming (``coming()`` is 0: no admitted request is still decoding for this queue).
@@ -160,13 +165,34 @@ class Batcher:
         self.alone_calls = 0  # calls that ran alone (ModelQueue.plan)
 
     def add_queue(self, queue: ModelQueue) -> ModelQueue:
-        self.queues.append(queue)
-        siblings = [q for q in self.queues if q.label == queue.label]
-        for q in siblings:
-            q.siblings = siblings
+        """Serve ``queue`` too (before or while the workers run)."""
+        with self._cond:
+            self.queues.append(queue)
+            siblings = [q for q in self.queues if q.group == queue.group]
+            for q in siblings:
+                q.siblings = siblings
         if self.metrics:
             self.metrics.queue_capacity.labels(queue.label).set(sum(q.max_queue for q in siblings))
         return queue
+
+    def remove_queues(self, queues) -> None:
+        """Stop serving ``queues`` (a model version retired): an item still in one (none, once its
+        requests are done) gets 503. Their calls in progress finish; ``idle`` says when."""
+        gone = set(map(id, queues))
+        with self._cond:
+            left = [item for q in self.queues if id(q) in gone for item in q.items]
+            self.queues = [q for q in self.queues if id(q) not in gone]
+            for q in queues:
+                q.items.clear()
+            self._cond.notify_all()
+        for item in left:
+            self._resolve(item, Unavailable("the model version this request was queued on was unloaded; retry",
+                                            retry_after_s=1))
+
+    def idle(self, queues) -> bool:
+        """No item waits in ``queues``, none is reserved, and no call of theirs runs."""
+        with self._cond:
+            return all(not q.items and not q.reserved and not q.running for q in queues)
 
     @property
     def workers(self) -> int:
@@ -299,11 +325,13 @@ class Batcher:
                 elif len(self._threads) > 1 and more:
                     self._cond.notify()  # what is left is for another free worker
                 self._running += 1
+                queue.running += 1
                 return queue, batch, not beside
 
-    def _done(self, alone: bool, called: bool) -> None:
+    def _done(self, queue: ModelQueue, alone: bool, called: bool) -> None:
         with self._cond:
             self._running -= 1
+            queue.running -= 1
             if called:
                 self._free_at = time.perf_counter()
             if alone:
@@ -324,7 +352,7 @@ class Batcher:
                     if live:
                         self._call(queue, live)
                 finally:
-                    self._done(alone, bool(live))
+                    self._done(queue, alone, bool(live))
         except FatalBackendError as e:
             log.error("fatal backend error on %s (requests %s): %s", self.device, _tags(live), e)
             self._die(str(e), live)

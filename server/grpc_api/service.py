@@ -2,7 +2,8 @@
 
 ``start(app, settings)`` runs a ``grpc.aio`` server on the app's event loop, serving
 ``inference.GRPCInferenceService`` (ServerLive, ServerReady, ModelReady, ServerMetadata,
-ModelMetadata, ModelInfer, RepositoryIndex) and ``grpc.health.v1.Health``. A call goes through
+ModelMetadata, ModelInfer, and the repository extension: RepositoryIndex, RepositoryModelLoad,
+RepositoryModelUnload) and ``grpc.health.v1.Health``. A call goes through
 what an HTTP request goes through, in the same order:
 
 - the door (``app.state.door``): one in-flight place per call, taken before its message is read,
@@ -11,7 +12,7 @@ what an HTTP request goes through, in the same order:
   read within the request's deadline (``request_timeout_s``, or the client's sooner deadline):
   ModelInfer is served as a client stream of one message, which is the same bytes on the wire as a
   unary call, so its reading is timed here rather than before the handler starts;
-- its tensors are checked by the HTTP route's code (server.routes.oip) and run through the
+- its tensors are checked by the protocol code HTTP uses too (server.api.oip) and run through the
   model's queues row by row, so a result is bitwise what HTTP gives;
 - request ids come from ``x-request-id`` metadata or are made, and go back in the initial
   metadata; per-stage times (``x-inference-time`` ...) and ``retry-after`` in the trailing metadata.
@@ -42,10 +43,10 @@ from grpc_health.v1.health import aio as health_aio
 
 from softmoe_models import __version__
 
-from .. import context
-from ..errors import BadRequest, RequestTimeout, ServiceError, Unavailable
-from ..routes import oip
-from ..service import Timings, is_ready
+from server import context
+from server.errors import BadRequest, ModelLoadError, RequestTimeout, ServiceError, Unavailable
+from server.api import oip
+from server.api.service import Timings, is_ready
 
 log = logging.getLogger("softmoe.grpc")
 
@@ -54,12 +55,14 @@ ENDPOINT = "grpc_infer"  # the images counter's endpoint label of gRPC ModelInfe
 MESSAGES = ("ServerLiveRequest", "ServerLiveResponse", "ServerReadyRequest", "ServerReadyResponse",
             "ModelReadyRequest", "ModelReadyResponse", "ServerMetadataRequest", "ServerMetadataResponse",
             "ModelMetadataRequest", "ModelMetadataResponse", "ModelInferRequest", "ModelInferResponse",
-            "RepositoryIndexRequest", "RepositoryIndexResponse", "InferParameter")
+            "RepositoryIndexRequest", "RepositoryIndexResponse", "InferParameter", "ModelRepositoryParameter",
+            "RepositoryModelLoadRequest", "RepositoryModelLoadResponse", "RepositoryModelUnloadRequest",
+            "RepositoryModelUnloadResponse")
 CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.INVALID_ARGUMENT,
          415: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
          408: grpc.StatusCode.DEADLINE_EXCEEDED, 504: grpc.StatusCode.DEADLINE_EXCEEDED,
-         499: grpc.StatusCode.CANCELLED}
+         499: grpc.StatusCode.CANCELLED, 409: grpc.StatusCode.FAILED_PRECONDITION}
 # Typed contents per datatype, for clients that send InferTensorContents instead of raw bytes.
 CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT8": "int_contents", "INT16": "int_contents",
             "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
@@ -168,15 +171,18 @@ class Servicer:
         return M["ServerReadyResponse"](ready=is_ready(self.state)), "none", {}
 
     async def model_ready(self, request, ctx):
-        model = oip.served_model(self.state.models, request.name, request.version or None)
+        """A model the repository knows but does not serve now is not ready; an unknown one is NOT_FOUND."""
+        if request.name not in self.state.models and self.state.control.describe_missing(request.name):
+            return M["ModelReadyResponse"](ready=False), "none", {}
+        model = oip.served_model(self.state.models, request.name, request.version or None, self.state.control)
         return M["ModelReadyResponse"](ready=bool(model.ready)), model.name, {}
 
     async def server_metadata(self, request, ctx):
         return M["ServerMetadataResponse"](name="softmoe-serve", version=__version__,
-                                           extensions=["binary_tensor_data", "classification"]), "none", {}
+                                           extensions=oip.EXTENSIONS), "none", {}
 
     async def model_metadata(self, request, ctx):
-        model = oip.served_model(self.state.models, request.name, request.version or None)
+        model = oip.served_model(self.state.models, request.name, request.version or None, self.state.control)
         ins, outs = oip.tensors_of(model)
         meta = M["ModelMetadataResponse"](name=model.name, versions=["1"], platform=f"softmoe_{model.backend.name}")
         for t in ins:
@@ -187,10 +193,31 @@ class Servicer:
 
     async def repository_index(self, request, ctx):
         out = M["RepositoryIndexResponse"]()
-        for m in self.state.models.values():
-            if not request.ready or m.ready:
-                out.models.add(name=m.name, version="1", state="READY" if m.ready else "UNAVAILABLE")
+        for entry in self.state.control.index(ready_only=request.ready):
+            out.models.add(**entry)
         return out, "none", {}
+
+    async def repository_model_load(self, request, ctx):
+        """Triton's load: the one parameter taken is ``unload_first`` (bool); others are refused."""
+        unload_first = False
+        for key, value in request.parameters.items():
+            if key != "unload_first" or value.WhichOneof("parameter_choice") != "bool_param":
+                raise BadRequest(f"parameters.{key[:60]}: the one load parameter is unload_first (bool)",
+                                 param=f"parameters.{key[:60]}")
+            unload_first = value.bool_param
+        try:
+            await asyncio.to_thread(self.state.control.load, request.model_name, unload_first=unload_first)
+        except ModelLoadError as e:
+            raise BadRequest(f"model {request.model_name!r} could not be loaded: {e}", param="model_name") from None
+        return M["RepositoryModelLoadResponse"](), "none", {}
+
+    async def repository_model_unload(self, request, ctx):
+        for key, value in request.parameters.items():
+            if key != "unload_dependents" or value.WhichOneof("parameter_choice") != "bool_param":
+                raise BadRequest(f"parameters.{key[:60]}: the one unload parameter is unload_dependents (bool)",
+                                 param=f"parameters.{key[:60]}")
+        await asyncio.to_thread(self.state.control.unload, request.model_name)
+        return M["RepositoryModelUnloadResponse"](), "none", {}
 
     # ---------------------------------------------------------------- inference
 
@@ -204,6 +231,7 @@ class Servicer:
             self.state.metrics.rejected.labels("none", refusal[1]).inc()
             raise refusal[0]
         door.take(1, 0)
+        epoch = door.enter()
         held = 0
         try:
             raw = await _first_message(requests, context.remaining(), self.state.metrics)
@@ -215,10 +243,12 @@ class Servicer:
             return await self._infer(_parse(M["ModelInferRequest"], raw))
         finally:
             door.take(-1, -held)
+            door.leave(epoch)
 
     async def _infer(self, request):
         t0 = time.perf_counter()
-        model = oip.served_model(self.state.models, request.model_name, request.model_version or None)
+        model = oip.served_model(self.state.models, request.model_name, request.model_version or None,
+                                 self.state.control)
         if not model.ready:
             raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
         svc = self.state.service
@@ -304,7 +334,9 @@ def _handlers(app) -> grpc.GenericRpcHandler:
              "ModelReady": ("ModelReadyRequest", servicer.model_ready),
              "ServerMetadata": ("ServerMetadataRequest", servicer.server_metadata),
              "ModelMetadata": ("ModelMetadataRequest", servicer.model_metadata),
-             "RepositoryIndex": ("RepositoryIndexRequest", servicer.repository_index)}
+             "RepositoryIndex": ("RepositoryIndexRequest", servicer.repository_index),
+             "RepositoryModelLoad": ("RepositoryModelLoadRequest", servicer.repository_model_load),
+             "RepositoryModelUnload": ("RepositoryModelUnloadRequest", servicer.repository_model_unload)}
     handlers = {}
     for method, (message, fn) in unary.items():
         call = Call(app, f"/{SERVICE}/{method}")

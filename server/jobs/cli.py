@@ -15,9 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from .data import DataError, Dataset, open_dataset, read_lines
-from .report import finish_embed, finish_eval, pending_units, precheck_labels, say
-from .runner import DecodePool, JobError, JobModel, Progress, Runner
+from server.jobs.data import DataError, Dataset, open_dataset, read_lines
+from server.jobs.report import finish_embed, finish_eval, pending_units, precheck_labels, say
+from server.jobs.runner import DecodePool, JobError, JobModel, Progress, Runner
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -86,7 +86,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 def job_settings(args: argparse.Namespace):
     from pydantic import ValidationError
 
-    from ..settings import Settings
+    from server.settings import Settings
 
     given = {k: getattr(args, k) for k in ("backend", "device", "precision", "max_batch_size")
              if getattr(args, k, None) is not None}
@@ -133,13 +133,13 @@ def _start(args, settings) -> tuple[DecodePool, JobModel]:
 
 
 def cmd_embed(args: argparse.Namespace) -> None:
-    from .embed import sink_for
+    from server.jobs.embed import sink_for
 
     settings = job_settings(args)
     dataset, digest = _open(args, settings)
     out = Path(args.out)
     if args.ray:
-        from .ray_job import run_embed
+        from server.jobs.ray_job import run_embed
 
         run_embed(args, settings, dataset, digest, out)
         return
@@ -183,14 +183,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if t.count("{}") > 1:
             raise JobError(f"--templates: {t[:40]!r} has more than one '{{}}'")
     if args.ray:
-        from .ray_job import run_eval
+        from server.jobs.ray_job import run_eval
 
         run_eval(args, settings, dataset, digest, Path(args.out), classnames, templates)
         return
     t0 = time.perf_counter()
     pool, job = _start(args, settings)
     try:
-        from .evaluate import EvalSink
+        from server.jobs.evaluate import EvalSink
 
         precheck_labels(job.facts(), dataset)
         sink = EvalSink(job.facts(), texts=job.texts)

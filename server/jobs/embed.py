@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from ..pipeline.postprocess import l2_normalize
-from .data import Dataset, Unit
-from .runner import JobError, Outcome, error_entry
+from server.pipeline.postprocess import l2_normalize
+from server.jobs.data import Dataset, Unit
+from server.jobs.runner import JobError, Outcome, error_entry
 
 ROW_GROUP = 1024  # rows per Parquet row group: what a shard holds in memory
 JOB_FILE, SHARDS_FILE, ERRORS_FILE, SUMMARY_FILE = "_job.json", "_shards.jsonl", "_errors.jsonl", "_summary.json"

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from ..pipeline import postprocess as post
-from .data import Unit
-from .embed import image_vector, text_vector
-from .runner import JobError, ModelFacts, Outcome
+from server.pipeline import postprocess as post
+from server.jobs.data import Unit
+from server.jobs.embed import image_vector, text_vector
+from server.jobs.runner import JobError, ModelFacts, Outcome
 
 RECALL_KS = (1, 5, 10)
 CONFUSION_MAX_CLASSES = 1000

@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .data import Dataset, Sample, Unit
-from .runner import JobError, JobModel, Outcome, Progress, Tally, limits_of
+from server.jobs.data import Dataset, Sample, Unit
+from server.jobs.runner import JobError, JobModel, Outcome, Progress, Tally, limits_of
 
 
 def _ray():
@@ -63,7 +63,7 @@ def _settings_dict(settings) -> dict:
 
 
 def _job(package: str, settings: dict) -> JobModel:
-    from ..settings import Settings
+    from server.settings import Settings
 
     return JobModel.load(package, Settings(**settings), say=lambda line: None)
 
@@ -139,7 +139,7 @@ def _read(units_ref, row: dict) -> list[dict]:
 def _decode(cfg, uint8: bool, limits: tuple):
     """Ray Data's CPU tasks: every sample's row, or its error in its ``meta``."""
     def fn(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from .runner import prepare_chunk
+        from server.jobs.runner import prepare_chunk
 
         metas = [json.loads(m) for m in batch["meta"]]
         todo = [i for i, m in enumerate(metas) if m[4] is None]
@@ -240,8 +240,8 @@ def _cause(e: BaseException) -> str:
 
 
 def run_embed(args, settings, dataset: Dataset, digest: str, out: Path) -> None:
-    from .report import finish_embed, pending_units
-    from .embed import sink_for
+    from server.jobs.report import finish_embed, pending_units
+    from server.jobs.embed import sink_for
 
     ray = connect(args.ray)
     t0 = time.perf_counter()
@@ -267,8 +267,8 @@ def run_embed(args, settings, dataset: Dataset, digest: str, out: Path) -> None:
 
 
 def run_eval(args, settings, dataset: Dataset, digest: str, out: Path, classnames, templates) -> None:
-    from .evaluate import EvalSink
-    from .report import finish_eval, precheck_labels
+    from server.jobs.evaluate import EvalSink
+    from server.jobs.report import finish_eval, precheck_labels
 
     ray = connect(args.ray)
     t0 = time.perf_counter()

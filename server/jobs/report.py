@@ -8,8 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from .data import Dataset
-from .runner import JobError
+from server.jobs.data import Dataset
+from server.jobs.runner import JobError
 
 
 def command_line() -> str:
@@ -32,7 +32,7 @@ def pending_units(sink, dataset: Dataset, out: Path) -> list:
 
 def finish_embed(args, facts, sink, dataset: Dataset, digest: str, out: Path, seconds: float, rate: float) -> None:
     """_summary.json, then the one line (or the error line: nothing embedded)."""
-    from .embed import ERRORS_FILE, SUMMARY_FILE
+    from server.jobs.embed import ERRORS_FILE, SUMMARY_FILE
 
     summary = {"n": sink.rows, "errors": sink.errors, "shards": len(dataset.units), "model": facts.name,
                "package": str(Path(args.package).resolve()), "package_sha256": digest, "data": args.data,
@@ -49,7 +49,7 @@ def finish_embed(args, facts, sink, dataset: Dataset, digest: str, out: Path, se
 
 def precheck_labels(facts, dataset: Dataset) -> None:
     """A classifier's labels checked before any image is decoded, where the dataset lists them up front."""
-    from .evaluate import map_label
+    from server.jobs.evaluate import map_label
 
     if facts.image_fn != "classify" or dataset.kind == "webdataset":
         return
@@ -67,7 +67,7 @@ def precheck_labels(facts, dataset: Dataset) -> None:
 
 def finish_eval(args, facts, sink, errors: list[dict], digest: str, classnames, templates, seconds: float,
                 rate: float, run_texts) -> None:
-    from .evaluate import score, write_outputs
+    from server.jobs.evaluate import score, write_outputs
 
     out = Path(args.out)
     head = {"model": facts.name, "package": str(Path(args.package).resolve()), "package_sha256": digest,

@@ -24,10 +24,14 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from ..backends.base import PIXELS
-from ..errors import ServiceError
-from ..settings import Settings
-from .data import Dataset, Sample, Unit, read_file
+from server.backends.base import PIXELS
+from server.engine.core import Engine
+from server.engine.models import ServedModel
+from server.engine.startup import StartupError, check_backend, describe
+from server.errors import ServiceError
+from server.metrics import Metrics
+from server.settings import Settings
+from server.jobs.data import Dataset, Sample, Unit, read_file
 
 log = logging.getLogger("softmoe.jobs")
 
@@ -88,27 +92,21 @@ class JobModel:
     batch shapes, the concurrent batches."""
 
     settings: Settings
-    model: Any  # registry.ServedModel
-    batcher: Any  # batching.Batcher
+    engine: Engine
+    model: ServedModel
     image_fn: str  # classify (classifiers) or image (two-tower image towers)
     texts: bool  # the model has a text tower and a tokenizer
     dims: dict[str, dict[str, int]] = field(default_factory=dict)  # per function, each output's width
 
     @classmethod
     def load(cls, package: str, settings: Settings, say=print) -> JobModel:
-        from ..batching.batcher import Batcher
-        from ..metrics import Metrics
-        from ..proofs import warmup
-        from ..registry import apply_jpeg_draft, attach_queues, load_served_model
-        from ..startup import StartupError, check_backend, describe
-
         exported = settings.backend in ("onnxruntime", "tensorrt")
         say(f"{package}: loading on {settings.backend} ({settings.device})"
             + ("; a first load exports and verifies it, then it is cached" if exported else ""))
+        engine = Engine(settings, Metrics(), say=say)
         try:
             check_backend(settings)
-            model = load_served_model(package, settings, log.info)
-            apply_jpeg_draft([model], settings.jpeg_draft)
+            model = engine.open(package)
         except StartupError as e:
             raise JobError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - ModelLoadError, PackageError, an export failure: one line
@@ -117,15 +115,16 @@ class JobModel:
         if image_fn is None or model.preprocess is None:
             model.backend.close()
             raise JobError(f"{package}: a {model.kind} model takes no images")
-        metrics = Metrics()
-        batcher = Batcher(settings.device, metrics, workers=settings.concurrent_batches)
-        attach_queues(model, batcher, settings, metrics)
-        warmup(model, settings, say)
-        model.ready = True
-        job = cls(settings, model, batcher, image_fn, model.can("text") and model.tokenizer is not None)
+        engine.adopt([model])
+        engine.warm(model)
+        job = cls(settings, engine, model, image_fn, model.can("text") and model.tokenizer is not None)
         job.dims = {fn: job._dims(fn) for fn in ((image_fn, "text") if job.texts else (image_fn,))}
-        batcher.start()
+        engine.start()
         return job
+
+    @property
+    def batcher(self):
+        return self.engine.batcher
 
     def _dims(self, fn: str) -> dict[str, int]:
         """Each output's width, from one call of zeros at the full batch shape (before the batcher starts)."""
@@ -140,9 +139,7 @@ class JobModel:
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self.batcher.stop()
-        with contextlib.suppress(Exception):
-            self.model.backend.close()
+            self.engine.close()
 
     async def run(self, fn: str, rows: list[dict[str, np.ndarray]]) -> list[Any]:
         """Rows through one function's queue, as one request's items: places reserved first, so the
@@ -195,7 +192,7 @@ class JobModel:
 
 def init_worker(nice: int) -> None:
     """A decode process: a lower priority, and the decoder's modules imported before any work."""
-    from ..pipeline import prepare  # noqa: F401
+    from server.pipeline import prepare  # noqa: F401
 
     if nice > 0 and hasattr(os, "nice"):
         with contextlib.suppress(OSError):
@@ -211,7 +208,7 @@ def prepare_chunk(cfg, uint8: bool, limits: tuple[int, int, int, float],
     """Per entry (a file path, or the bytes): ``(row, None)`` or ``(None, reason)``. ``cfg``: the
     model's PreprocessConfig; ``limits``: the server's max body bytes, image and request pixels, and
     request timeout (each image's decode deadline)."""
-    from ..pipeline.prepare import prepare_image, probe_image
+    from server.pipeline.prepare import prepare_image, probe_image
 
     max_bytes, max_image_pixels, max_request_pixels, timeout = limits
     out: list[tuple[dict | None, str | None]] = []

@@ -13,7 +13,7 @@ import json
 import zlib
 from dataclasses import dataclass
 
-from ..errors import BadRequest, PayloadTooLarge, Unprocessable, UnsupportedMediaType
+from server.errors import BadRequest, PayloadTooLarge, Unprocessable, UnsupportedMediaType
 
 MAX_PARTS = 1024
 MAX_PART_HEADER_BYTES = 4096

@@ -24,8 +24,8 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
-from ..errors import BadRequest, DeadlineExceeded, PayloadTooLarge, ServiceError, Unprocessable
-from .probe import ALLOWED, ImageInfo, check_pixels, probe, sniff
+from server.errors import BadRequest, DeadlineExceeded, PayloadTooLarge, ServiceError, Unprocessable
+from server.pipeline.probe import ALLOWED, ImageInfo, check_pixels, probe, sniff
 
 __all__ = ["ALLOWED", "BACKGROUND", "CHUNK_BYTES", "MIN_SIDE", "decode", "sniff", "to_rgb"]
 

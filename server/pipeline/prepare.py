@@ -13,9 +13,9 @@ import numpy as np
 
 from softmoe_models.preprocess import PreprocessConfig, model_rgb, preprocess_image
 
-from ..backends.base import PIXELS
-from .decode import decode
-from .probe import ImageInfo, budget, probe
+from server.backends.base import PIXELS
+from server.pipeline.decode import decode
+from server.pipeline.probe import ImageInfo, budget, probe
 
 
 def probe_image(data: bytes, cfg: PreprocessConfig, max_image_pixels: int, max_request_pixels: int) -> ImageInfo:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from PIL import Image
 
-from ..errors import BadRequest, PayloadTooLarge, Unprocessable, UnsupportedMediaType
+from server.errors import BadRequest, PayloadTooLarge, Unprocessable, UnsupportedMediaType
 
 ALLOWED = ("JPEG", "PNG", "WEBP", "GIF", "BMP")
 MAX_STEPS = 4096  # segments, chunks or blocks walked in one file (a 16 MiB PNG of 8 KiB IDAT chunks: 2048)

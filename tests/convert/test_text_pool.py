@@ -161,7 +161,7 @@ def test_cli(tmp_path):
 
 def _package_with_group_size(tmp_path, value):
     """An existing package (the shipped digits) whose config.json still records group_size."""
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
 
     pkg = tmp_path / "digits"
     shutil.copytree(SHIPPED / "digits", pkg)
@@ -188,7 +188,7 @@ def test_old_group_size_straddling_sequences_is_refused(tmp_path):
 
 
 def test_shipped_two_tower_config_with_group_size_still_loads():
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
 
     raw = json.loads((SHIPPED / "digits-lit" / "config.json").read_text())
     assert "group_size" in json.dumps(raw)  # written before the field was dropped

@@ -78,7 +78,7 @@ class Routes:
     def __init__(self) -> None:
         from fastapi.testclient import TestClient
 
-        from server.app import create_app
+        from server.http.app import create_app
         from server.settings import Settings
 
         self.client = TestClient(create_app(Settings()))  # not entered: no lifespan, no model loaded

@@ -184,7 +184,7 @@ def rules() -> list[dict]:
 # ------------------------------------------------------------------------------------------ the test
 
 def test_rules_dashboard_and_adapter_query_on_a_real_prometheus(tmp_path):
-    from server.app import create_app
+    from server.http.app import create_app
     from server.settings import Settings
 
     started = time.monotonic()
@@ -202,7 +202,7 @@ def test_rules_dashboard_and_adapter_query_on_a_real_prometheus(tmp_path):
     # Beside the built-in models a sparse V-MoE package (vmoe's golden Tokens Choice model), whose
     # drop counters the sparse panel divides.
     from conftest import SHARED
-    from server.default_model import default_packages
+    from server.engine.defaults import default_packages
     from softmoe_models.convert import convert_checkpoint
 
     models = default_packages()
@@ -266,7 +266,7 @@ def test_rules_dashboard_and_adapter_query_on_a_real_prometheus(tmp_path):
 def test_rejection_rates_exist_per_reason_from_a_fresh_start(tmp_path):
     """No traffic at all: rate(softmoe_requests_rejected_total[5m]) already has a series (of 0) per
     reason, so the dashboard's rejected panel reads 0, not "no data"."""
-    from server.app import create_app
+    from server.http.app import create_app
     from server.metrics import REJECT_REASONS
     from server.settings import Settings
 

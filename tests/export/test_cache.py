@@ -328,7 +328,7 @@ def test_cache_dir_setting_and_config_change_give_separate_entries(pkg, tmp_path
 
 def test_onnx_file_loader_leaks_no_temp_dir(monkeypatch, tmp_path, tokenizer_file, golden_dir):
     from export.onnx import export_onnx
-    from server.registry import _from_onnx
+    from server.engine.models import _from_onnx
     from server.settings import Settings
     from softmoe_models.convert import convert_checkpoint
     from softmoe_models.tokenizer import Tokenizer

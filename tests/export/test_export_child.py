@@ -61,7 +61,7 @@ def test_export_memory_bench_runs(tmp_path):
     """`python -m loadtests.export_memory` (its figures: docs/benchmarks.md) on the shipped digits:
     both ways run and report; no figure is asserted."""
     from loadtests.export_memory import run
-    from server.default_model import SHIPPED
+    from server.engine.defaults import SHIPPED
 
     out = run(SHIPPED / "digits", tmp_path, log=lambda m: None)
     for key in ("export_child_rss_mb", "export_inprocess_rss_mb", "export_child_s", "export_inprocess_s"):

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 
 from export.onnx import export_onnx, op_inventory
-from server.default_model import SHIPPED
+from server.engine.defaults import SHIPPED
 
 
 @pytest.fixture(scope="module")

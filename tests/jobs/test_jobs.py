@@ -32,7 +32,7 @@ def data(tmp_path_factory, limits) -> datasets.Layouts:
 
 @pytest.fixture(scope="module")
 def server(limits):
-    from server.app import create_app
+    from server.http.app import create_app
     from server.settings import Settings
 
     with live_server(create_app(Settings())) as url:  # the built-in models, default settings

@@ -44,7 +44,7 @@ def _rows(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server_url():
-    from server.app import create_app
+    from server.http.app import create_app
     from server.settings import Settings
 
     with live_server(create_app(Settings())) as url:

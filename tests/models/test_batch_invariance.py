@@ -5,7 +5,7 @@ not of our code: with the batch-invariant forms (softmoe_models/batch_invariance
 AVX-512 machine gives shapes 1, 2 and 4 the bits of 8, and on an AVX2 machine (or with
 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2) shapes 1 and 3 differ.
 So no test here expects one machine's table. The server proves at start-up which shapes hold on
-the machine it runs on (server.proofs.prove_shapes), and these tests hold it to what it promises:
+the machine it runs on (server.engine.proofs.prove_shapes), and these tests hold it to what it promises:
 
 * every shape it accepts gives every row the bits of the full shape, on rows the proof never saw;
 * a shape whose bits differ is refused, and a refused shape never carries a call;
@@ -25,8 +25,8 @@ import torch
 
 from server.backends.torch_backend import TorchBackend
 from server.batching.batcher import Batcher, ModelQueue
-from server.proofs import candidate_shapes, prove_shapes, random_rows
-from server.registry import load_served_model
+from server.engine.proofs import candidate_shapes, prove_shapes, random_rows
+from server.engine.models import load_served_model
 from server.settings import Settings
 from softmoe_models.batch_invariance import set_batch_invariant
 

@@ -23,7 +23,7 @@ from PIL import Image
 
 from helpers.images import b64, png
 from helpers.live import live_server
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 NORMAL = png(np.random.default_rng(0).integers(0, 256, (8, 8), dtype=np.uint8))

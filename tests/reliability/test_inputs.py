@@ -18,7 +18,7 @@ from PIL import Image
 
 from helpers.images import b64, png
 from helpers.live import live_server
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 LIMIT = Settings().max_body_bytes

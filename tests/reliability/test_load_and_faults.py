@@ -18,7 +18,7 @@ from PIL import Image
 
 from helpers.images import b64, png
 from helpers.live import live_server
-from server.app import create_app
+from server.http.app import create_app
 from server.batching.batcher import FatalBackendError
 from server.errors import ServiceError
 from server.pipeline.decode import decode
@@ -226,7 +226,7 @@ def test_not_ready_before_startup_and_every_shape_warmed():
     cold = TestClient(app)  # no lifespan yet: nothing loaded
     assert cold.get("/v2/health/ready").status_code == 503
     shapes: dict[str, set] = {}
-    import server.app as registry  # the name create_app's lifespan calls
+    import server.http.app as registry  # the name create_app's lifespan calls
 
     real_warmup = registry.warmup
 

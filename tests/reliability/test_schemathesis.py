@@ -13,7 +13,7 @@ from schemathesis.checks import (content_type_conformance, not_a_server_error, r
 from hypothesis import HealthCheck, given, settings
 
 from helpers.live import live_server
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 

@@ -1,5 +1,5 @@
 """Slow and oversized clients, on raw sockets against a real server (the protocol ``softmoe serve``
-runs: server.connection on uvicorn's httptools).
+runs: server.http.connection on uvicorn's httptools).
 
 A client that opens a connection and sends nothing, half a head, a body that never ends, a head
 without end, or never reads its response, must not hold a socket, an admission place or memory
@@ -20,7 +20,7 @@ import pytest
 
 from helpers.images import b64, png
 from helpers.live import live_server
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 NORMAL = png(np.random.default_rng(1).integers(0, 256, (8, 8), dtype=np.uint8))
@@ -185,7 +185,7 @@ def test_a_body_held_while_the_event_loop_is_busy_is_served():
     body's grace (a handler that blocks, as a burst of work does), and meanwhile the whole body
     arrives. When the loop comes back, the body's timer and its bytes are due in the same turn: the
     body is taken and served (the timer winning gave 408 "arriving slower than 65536 bytes/s")."""
-    from server.app import BODY_GRACE_S
+    from server.http.app import BODY_GRACE_S
 
     app = create_app(Settings())
 

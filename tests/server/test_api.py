@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from conftest import golden_npz
 from helpers.images import b64, golden_pngs, png
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 
@@ -269,7 +269,7 @@ def test_generated_request_ids_are_unique_and_differ_in_forked_children(client):
     import os
     import re
 
-    from server import app as app_module
+    from server.api.door import new_request_id
 
     ids = {client.get("/v2/health/live").headers["x-request-id"] for _ in range(50)}
     assert len(ids) == 50 and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
@@ -277,13 +277,13 @@ def test_generated_request_ids_are_unique_and_differ_in_forked_children(client):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
-        os.write(w, f"{app_module._ids.getrandbits(128):032x}".encode())
+        os.write(w, new_request_id().encode())
         os._exit(0)
     os.close(w)
     child = os.read(r, 64).decode()
     os.waitpid(pid, 0)
     os.close(r)
-    assert child != f"{app_module._ids.getrandbits(128):032x}"
+    assert child != new_request_id()
 
 
 # ------------------------------------------------------------------ errors: JSON bodies naming the problem

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from server.cli import env_of, flag_of
-from server.default_model import SHIPPED
+from server.engine.defaults import SHIPPED
 from server.settings import Settings
 from server.main import build_parser
 
@@ -143,7 +143,7 @@ def test_jpeg_draft_is_opt_in_per_model():
     """Off unless asked for; ``--jpeg-draft NAME`` turns it on for that model only, ``*`` for all."""
     from types import SimpleNamespace
 
-    from server.registry import ModelLoadError, apply_jpeg_draft
+    from server.engine.models import ModelLoadError, apply_jpeg_draft
     from softmoe_models.preprocess import PreprocessConfig
 
     def models():
@@ -166,7 +166,7 @@ def test_jpeg_draft_also_when_the_app_loads_its_own_models():
     """create_app without models loads them in its lifespan: --jpeg-draft applies there too."""
     from fastapi.testclient import TestClient
 
-    from server.app import create_app
+    from server.http.app import create_app
     from server.settings import Settings
 
     app = create_app(Settings(models=[f"d={SHIPPED / 'digits'}"], jpeg_draft=["d"], backend="torch"))

@@ -22,7 +22,7 @@ from PIL import Image
 from conftest import GOLDEN, golden_npz
 from softmoe_models.preprocess import PreprocessConfig, to_pixel_values
 
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 ATOL = 1e-4

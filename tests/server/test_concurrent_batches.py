@@ -21,8 +21,8 @@ import pytest
 
 from server.batching.batcher import FatalBackendError, Result
 from server.errors import Unavailable
-from server.proofs import check_concurrent_batches
-from server.registry import ModelLoadError, backend_threads, load_served_model
+from server.engine.proofs import check_concurrent_batches
+from server.engine.models import ModelLoadError, backend_threads, load_served_model
 from server.settings import Settings
 
 from helpers.batching import D, HANG, FakeFn, make, outcome, row  # noqa: F401 - make: a fixture
@@ -252,7 +252,7 @@ def test_start_up_check_refuses_answers_that_depend_on_the_call_beside(packages,
 def test_a_failure_beside_is_refused_not_timed(packages, tmp_path, monkeypatch):
     # --wide-lone-beside auto times N full batches beside each other: a call that raises there must
     # stop the start-up, not read as a fast call (and so as a gain that chooses running beside).
-    from server import proofs
+    from server.engine import proofs
 
     monkeypatch.setattr(proofs, "BESIDE_MIN_MS", 0.0)  # the golden model is light: measure anyway
     with thread_dependent(packages, tmp_path, True, concurrent_batches=2, threads=2) as (model, settings):
@@ -325,8 +325,8 @@ def test_wide_lone_plan_after_the_proof(packages, tmp_path):
     """The plan of a served model's classify queue: before the start-up proof every call runs beside
     on the classify session; after it, alone on the routing graph (the same outputs) unless beside
     pays, and a sampled call always alone, with the statistics."""
-    from server.app import create_app
-    from server.proofs import prove_routing
+    from server.http.app import create_app
+    from server.engine.proofs import prove_routing
 
     from helpers.live import live_server
 
@@ -342,7 +342,7 @@ def test_wide_lone_plan_after_the_proof(packages, tmp_path):
     try:
         from server.batching.batcher import Batcher
 
-        from server.registry import attach_queues
+        from server.engine.models import attach_queues
         from server.metrics import Metrics
 
         attach_queues(model, Batcher("cpu", workers=2), settings, Metrics())
@@ -375,7 +375,7 @@ def test_wide_lone_plan_after_the_proof(packages, tmp_path):
 def test_a_light_model_runs_every_call_alone(packages, tmp_path, beside, want):
     # The golden model's batch of 4 takes about a millisecond: under the 20 ms where running beside
     # pays, so auto measures no further.
-    from server.proofs import prove_routing, serving_line
+    from server.engine.proofs import prove_routing, serving_line
 
     settings = Settings(concurrent_batches=2, threads=2, max_batch_size=4, cache_dir=str(tmp_path),
                         wide_lone_beside=beside)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from server.service import Service, lower_priority
+from server.api.service import Service, lower_priority
 from server.settings import Settings
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority here")

@@ -16,7 +16,7 @@ import torch
 
 from helpers.images import b64, golden_pngs, random_pngs
 from helpers.live import live_server
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 

@@ -85,7 +85,7 @@ def test_engine_counts_what_the_front_ends_will_still_send():
     in transit from the shared admission table."""
     import multiprocessing
 
-    from server.batching.shm import AdmissionTable
+    from server.workers.shm import AdmissionTable
 
     table = AdmissionTable.create(multiprocessing.Lock(), queues=2, frontends=2)
     try:

@@ -178,7 +178,7 @@ def test_service_errors_cross_the_boundary():
     import pickle
 
     from server import errors
-    from server.batching.engine import pack_error, unpack_error
+    from server.workers.process import pack_error, unpack_error
 
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.ServiceError)]
     assert len(classes) >= 10
@@ -200,7 +200,7 @@ def test_service_errors_cross_the_boundary():
 def test_arena_slots_hold_rows_of_every_queue():
     from multiprocessing import shared_memory
 
-    from server.batching.shm import Arena
+    from server.workers.shm import Arena
 
     queues = [{"inputs": [("pixel_values", (3, 8, 8), "<f4")]}, {"inputs": [("input_ids", (16,), "<i8")]}]
     slots, size = Arena.size_for(queues)

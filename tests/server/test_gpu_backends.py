@@ -22,7 +22,7 @@ from server.backends.cuda import DeviceUnavailableError, resolve_precision
 from server.backends.onnxruntime_backend import OnnxRuntimeBackend
 from server.backends.torch_backend import TorchBackend
 from server.batching.batcher import FatalBackendError
-from server.registry import ModelLoadError
+from server.engine.models import ModelLoadError
 from helpers.dtypes import Dtypes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -150,7 +150,8 @@ def test_health_readiness_and_metadata_match_http(main):
     assert c.is_server_live() and c.is_server_ready()
     assert c.is_model_ready("digits") and c.is_model_ready("digits-lit")
     meta = c.get_server_metadata()
-    assert meta.name == "softmoe-serve" and set(meta.extensions) == {"binary_tensor_data", "classification"}
+    assert meta.name == "softmoe-serve"
+    assert set(meta.extensions) == {"binary_tensor_data", "classification", "model_repository"}
     for model in ("digits", "digits-lit"):
         grpc_meta = c.get_model_metadata(model, as_json=True)
         http_meta = httpx.get(f"{main.url}/v2/models/{model}", timeout=10).json()

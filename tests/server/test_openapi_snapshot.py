@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 SNAPSHOT = Path(__file__).with_name("openapi.snapshot.json")

@@ -1,4 +1,4 @@
-"""The page at `/` (server/page): what a model sees, in a real headless Chromium against the real
+"""The page at `/` (server/http/page): what a model sees, in a real headless Chromium against the real
 server with the built-in models; and, without a browser, what the page is made of.
 
 The browser tests need Debian's chromium and chromedriver (`make sysdeps`); without them they skip,
@@ -21,8 +21,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from helpers.live import live_server
-from server.app import create_app
-from server.routes.page import ASSETS
+from server.http.app import create_app
+from server.http.routes.page import ASSETS
 from server.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_every_asset_is_served_with_its_type(client, served):
         assert r.status_code == 200, path
         assert r.headers["content-type"].startswith(TYPES[Path(path).suffix]), (path, r.headers["content-type"])
         assert "content-security-policy" in r.headers
-    r = client.get("/static/index.html")  # in server/page, but not an asset
+    r = client.get("/static/index.html")  # in server/http/page, but not an asset
     assert r.status_code == 404 and "error" in r.json()
 
 

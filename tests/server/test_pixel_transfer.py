@@ -18,7 +18,7 @@ import pytest
 
 from helpers.images import b64, golden_pngs, random_pngs
 from helpers.live import free_port, live_server, stop_process, wait_until
-from server.app import create_app
+from server.http.app import create_app
 from server.backends.torch_backend import TorchBackend
 from server.settings import Settings
 from softmoe_models.package import read_package
@@ -182,7 +182,7 @@ def test_refused_where_the_backend_takes_float_rows(packages):
     line = one_error_line(r)
     assert "--pixel-transfer uint8" in line and "onnxruntime" in line, line
     # The library path too (create_app loads models without the CLI's checks).
-    from server.registry import ModelLoadError, load_served_model
+    from server.engine.models import ModelLoadError, load_served_model
 
     with pytest.raises(ModelLoadError, match="--pixel-transfer uint8"):
         load_served_model(str(packages["golden"]), Settings(backend="onnxruntime", pixel_transfer="uint8"))

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from helpers.images import b64, png, random_pngs
-from server.app import create_app
-from server.default_model import SHIPPED
+from server.http.app import create_app
+from server.engine.defaults import SHIPPED
 from server.settings import Settings
 from softmoe_models.package import load_model, read_package
 from softmoe_models.routing import PROFILE_FILE, compute_profile, layout_for, routing_of
@@ -281,7 +281,7 @@ def test_shipped_profile_is_reproducible():
 def test_edited_profile_refuses_to_load(tmp_path):
     import shutil
 
-    from server.registry import ModelLoadError, load_served_model
+    from server.engine.models import ModelLoadError, load_served_model
 
     pkg = tmp_path / "digits"
     shutil.copytree(DIGITS, pkg)

@@ -25,7 +25,7 @@ from convert.test_hf_siglip import (  # noqa: E402  (builders shared with the co
 )
 from helpers.images import b64  # noqa: E402
 from helpers.live import live_server  # noqa: E402
-from server.app import create_app  # noqa: E402
+from server.http.app import create_app  # noqa: E402
 from server.settings import Settings  # noqa: E402
 from softmoe_models.convert import convert_checkpoint  # noqa: E402
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import SHARED
 from helpers.images import b64, png
 from helpers.live import live_server
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 GOLDEN = SHARED / "golden" / "vmoe-sparse"

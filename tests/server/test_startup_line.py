@@ -10,7 +10,7 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
+from server.http.app import create_app
 from server.settings import Settings
 
 # The shapes proven on this CPU: one list, or one per function where they differ (AVX2 torch proves

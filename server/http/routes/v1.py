@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..schemas import (ClassifyRequest, ClassifyResponse, EmbedRequest, EmbedResponse, ErrorResponse,
+from server.api.schemas import (ClassifyRequest, ClassifyResponse, EmbedRequest, EmbedResponse, ErrorResponse,
                        ZeroShotRequest, ZeroShotResponse)
-from .inputs import body_doc, parse
+from server.http.routes.inputs import body_doc, parse
 
 router = APIRouter(tags=["inference"])
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 422, 429, 500, 503, 504)}

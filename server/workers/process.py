@@ -52,10 +52,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import errors
-from ..errors import ServiceError
-from .batcher import Batcher, ModelQueue
-from .shm import AdmissionTable, Arena
+from server import errors
+from server.errors import ServiceError
+from server.batching.batcher import ModelQueue
+from server.engine.core import Engine
+from server.engine.startup import StartupError, check_backend, describe, load_models
+from server.metrics import Metrics
+from server.workers.shm import AdmissionTable, Arena
 
 log = logging.getLogger("softmoe.engine")
 
@@ -156,22 +159,15 @@ def function_spec(backend, fn: str):
     return spec if spec is not None else getattr(backend, "routing", None)
 
 
-class Engine:
-    """The device's Batcher, its model queues in the admission table, and the front ends' links."""
+class EngineServer:
+    """The engine (server.engine.core) serving front ends: its model queues in the admission table,
+    and the front ends' links."""
 
     def __init__(self, settings, models: list, frontends: int, lock, metrics, prefix: str | None = None) -> None:
-        from ..registry import attach_queues
-
         self.settings, self.models, self.frontends, self.metrics = settings, models, frontends, metrics
-        self.batcher = Batcher(settings.device, metrics, workers=settings.concurrent_batches)
-        for m in models:
-            metrics.init_model(m.name)
-            attach_queues(m, self.batcher, settings, metrics)
-            info = m.backend.describe()
-            providers = info.get("providers") or {}
-            provider = sorted({p[0] for p in providers.values() if p})[0] if providers else info.get("device", "")
-            metrics.backend_info.labels(m.name, info.get("backend", m.backend.name), info.get("device", ""),
-                                        info.get("precision", settings.precision), provider).set(1)
+        self.engine = Engine(settings, metrics)
+        self.engine.adopt(models)
+        self.batcher = self.engine.batcher
         # Queue i of the table, with its function's inputs (the arena's slot layout).
         self.queues: list[ModelQueue] = [q for m in models for q in m.queues.values()]
         self.specs = [function_spec(m.backend, fn) for m in models for fn in m.queues]
@@ -186,12 +182,8 @@ class Engine:
         self.orphaned = False
 
     def warm_up(self) -> None:
-        from ..proofs import warmup
-
         for m in self.models:
-            warmup(m, self.settings, log.info)
-            m.ready = True
-            self.metrics.model_ready.labels(m.name).set(1)
+            self.engine.warm(m)
 
     def description(self) -> dict:
         queues = [{"name": q.name, "label": q.label, "max_batch_size": q.max_batch_size, "max_queue": q.max_queue,
@@ -210,8 +202,7 @@ class Engine:
         description = self.description()
         server = await loop.create_unix_server(lambda: EngineLink(self, token, description), path)
         os.chmod(path, 0o600)
-        self.batcher.start()
-        self.metrics.worker_alive.set(1)
+        self.engine.start()
         ready()
         watcher = loop.create_task(self._watch(stop))
         try:
@@ -225,10 +216,7 @@ class Engine:
                 link.drop()
             self.metrics.worker_alive.set(0)
             self.table.close(unlink=True)
-            for m in self.models:
-                m.ready = False
-                with contextlib.suppress(Exception):
-                    m.backend.close()
+            await asyncio.to_thread(self.engine.close)
 
     async def _watch(self, stop: asyncio.Event) -> None:
         """Tell the front ends when the device worker dies; stop once orphaned and alone."""
@@ -269,7 +257,7 @@ class _Publish:
 class EngineLink(asyncio.Protocol):
     """One front end's connection: its arena, its items waiting in the batcher."""
 
-    def __init__(self, engine: Engine, token: bytes, description: dict) -> None:
+    def __init__(self, engine: EngineServer, token: bytes, description: dict) -> None:
         self.engine, self.token, self.description = engine, token, description
         self.link = Link()
         self.index = -1
@@ -410,8 +398,6 @@ def engine_main(settings, frontends: int, lock, path: str, token: bytes, report,
         report: a Connection to the supervisor: ``("ready", pid)`` or ``("error", one line)``.
         prefix: the names of the shared memory segments begin with it (see ``unlink_segments``).
     """
-    from ..metrics import Metrics
-    from ..startup import StartupError, check_backend, describe, load_models
 
     state: dict[str, Any] = {}
 
@@ -427,7 +413,7 @@ def engine_main(settings, frontends: int, lock, path: str, token: bytes, report,
         check_backend(settings)
         models = load_models(settings)
         try:
-            engine = state["engine"] = Engine(settings, models, frontends, lock, Metrics(), prefix)
+            engine = state["engine"] = EngineServer(settings, models, frontends, lock, Metrics(), prefix)
             engine.warm_up()
         except Exception as e:
             log.debug("start-up failed", exc_info=True)

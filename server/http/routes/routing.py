@@ -9,8 +9,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..schemas import ErrorResponse
-from .inputs import parse
+from server.api.schemas import ErrorResponse
+from server.http.routes.inputs import parse
 
 router = APIRouter(tags=["inference"])
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 422, 429, 500, 503, 504)}

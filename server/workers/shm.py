@@ -13,7 +13,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from ..errors import Unavailable
+from server.errors import Unavailable
 
 log = logging.getLogger("softmoe.engine")
 

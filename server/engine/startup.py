@@ -12,10 +12,11 @@ from export.errors import ExportError
 from softmoe_models.convert import ConversionError
 from softmoe_models.package import PackageError
 
-from .default_model import default_packages
-from .errors import ModelLoadError
-from .registry import ServedModel, apply_jpeg_draft, load_served_model
-from .settings import Settings
+from server.engine.defaults import default_packages
+from server.engine.models import ServedModel, apply_jpeg_draft, load_served_model
+from server.engine.repository import Repository
+from server.errors import ModelLoadError, NotFound
+from server.settings import Settings
 
 log = logging.getLogger("softmoe.server")
 
@@ -79,14 +80,41 @@ def check_backend(settings: Settings) -> None:
             )
 
 
+def model_specs(settings: Settings) -> list[str]:
+    """The models to load at start: ``--model``'s, then the repository's (modes none and poll: every
+    one; explicit: the ``--load-model`` names, ``*`` for all); the built-in defaults when there is
+    neither a ``--model`` nor a repository.
+
+    Raises:
+        StartupError: the repository is not a folder, or a ``--load-model`` name is not in it.
+    """
+    specs = list(settings.models)
+    if not settings.model_repository:
+        return specs or default_packages(settings.cache_dir)
+    repo = Repository(settings.model_repository)
+    if not repo.root.is_dir():
+        raise StartupError(f"--model-repository {repo.root}: not a folder")
+    names = repo.names()
+    if settings.model_control_mode == "explicit" and "*" not in settings.load_model:
+        names = list(dict.fromkeys(settings.load_model))
+    for name in names:
+        try:
+            specs.append(f"{name}={repo.path(name)}")
+        except NotFound as e:
+            raise StartupError(f"--load-model {name}: {e.message}") from None
+    return specs
+
+
 def load_models(settings: Settings) -> list[ServedModel]:
-    """Every configured model (or the built-in defaults), loaded; closes them all on failure.
+    """Every configured model (``model_specs``), loaded; closes them all on failure.
 
     Raises:
         StartupError: naming the model spec and what went wrong.
     """
     try:
-        specs = settings.models or default_packages(settings.cache_dir)
+        specs = model_specs(settings)
+    except StartupError:
+        raise
     except Exception as e:
         log.debug("default models", exc_info=True)
         raise StartupError(f"default models: {describe(e)}") from None

@@ -10,11 +10,11 @@ import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..errors import NotFound, Unavailable, Unprocessable
-from ..schemas import EmbeddingsRequest, EmbeddingsResponse, ErrorResponse
-from ..registry import batching_parameters
-from ..service import Timings, decode_b64
-from .inputs import body_doc, parse
+from server.errors import Unavailable, Unprocessable
+from server.api.schemas import EmbeddingsRequest, EmbeddingsResponse, ErrorResponse
+from server.engine.models import batching_parameters
+from server.api.service import Timings, decode_b64, not_served
+from server.http.routes.inputs import body_doc, parse
 
 router = APIRouter(tags=["openai"])
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 422, 429, 500, 503, 504)}
@@ -28,7 +28,7 @@ async def embeddings(request: Request):
     t0, timings = time.perf_counter(), Timings()
     model = svc.models.get(req.model)
     if model is None:
-        raise NotFound(f"model {req.model!r} is not served; served: {sorted(svc.models)}", param="model")
+        raise not_served(req.model, svc.models, svc.control)
     if not model.ready:
         raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
     items = [req.input] if isinstance(req.input, str) else list(req.input)

@@ -16,7 +16,7 @@ import time
 from multiprocessing.connection import wait as wait_any
 from typing import Callable
 
-from .engine import engine_main, new_token, unlink_segments
+from server.workers.process import engine_main, new_token, unlink_segments
 
 slog = logging.getLogger("softmoe.server")  # the supervisor's lines: the server's own
 
@@ -39,7 +39,7 @@ class Supervisor:
       dies leaves the front ends answering 503, unready and unlive (as a dead device worker does),
       and the exit status 1;
     * metrics: prometheus_client's multiprocess mode in a temporary directory; any front end's
-      ``/metrics`` merges every process (server.batching.remote.merge_process_metrics).
+      ``/metrics`` merges every process (server.workers.remote.merge_process_metrics).
     """
 
     def __init__(self, settings, sock: socket.socket, frontend: Callable) -> None:
@@ -114,7 +114,7 @@ class Supervisor:
     @staticmethod
     def _await_ready(proc, recv, what: str) -> None:
         """Until the child reports ready. Raises StartupError (its one line) if it cannot start."""
-        from ..startup import StartupError
+        from server.engine.startup import StartupError
 
         try:
             ready = wait_any([recv, proc.sentinel])
@@ -133,7 +133,7 @@ class Supervisor:
             recv.close()
 
     def _supervise(self) -> None:
-        from .remote import forget_process_metrics
+        from server.workers.remote import forget_process_metrics
 
         def on_signal(sig: int, frame) -> None:
             self.signals += 1

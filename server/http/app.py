@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import random
 import sys
 import time
 from contextlib import asynccontextmanager
@@ -25,14 +23,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from softmoe_models import __version__
 
-from .batching.batcher import Batcher
-from . import context
-from .errors import BadRequest, PayloadTooLarge, QueueFull, RequestTimeout, ServiceError, Unavailable
-from .metrics import DOOR, Metrics
-from .proofs import warmup
-from .registry import ServedModel, apply_jpeg_draft, attach_queues, load_served_model
-from .service import Service, is_ready
-from .settings import Settings
+from server import context
+from server.errors import BadRequest, PayloadTooLarge, QueueFull, RequestTimeout, ServiceError, Unavailable
+from server.metrics import DOOR, Metrics
+from server.api.door import CONTROL, Door, new_request_id
+from server.engine.control import ModelControl
+from server.engine.core import Engine
+from server.engine.models import ServedModel
+from server.engine.startup import load_models
+from server.api.service import Service, is_ready
+from server.settings import Settings
 
 log = logging.getLogger("softmoe.server")
 
@@ -63,11 +63,6 @@ ERROR_TYPES = ("invalid_request", "not_found", "payload_too_large", "unsupported
 STATUSES = (200, 400, 404, 405, 408, 413, 415, 422, 429, 431, 499, 500, 503, 504)
 EXEMPT = ("/v2/health", "/metrics")
 BODY_GRACE_S = 2.0  # a body starts late by this much before --min-body-rate counts
-# Request ids (uuid4's format, 32 hex digits) from a PRNG seeded by the OS, reseeded in forked children:
-# uuid.uuid4() reads os.urandom, a system call that gives up the GIL on the event loop's thread on
-# every request. The ids name requests in logs and traces; they are not secrets.
-_ids = random.Random()
-os.register_at_fork(after_in_child=_ids.seed)
 
 
 class Observe:
@@ -87,7 +82,7 @@ class Observe:
     for its bytes only: a request that waits for the busy event loop is not charged for it, and a
     body already held is taken whatever the clock says (``_receive_within``). A slower one gets 408
     and the connection is closed, which frees its place and its bytes (request heads are bounded in
-    server.connection).
+    server.http.connection).
     """
 
     def __init__(self, app: ASGIApp, state, metrics: Metrics, settings: Settings) -> None:
@@ -101,7 +96,7 @@ class Observe:
         path = scope.get("path", "")
         headers = {k.lower(): v for k, v in scope.get("headers") or []}
         rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128]
-        request_id = rid if rid and rid.isprintable() else f"{_ids.getrandbits(128):032x}"
+        request_id = rid if rid and rid.isprintable() else new_request_id()
         tokens = (context.request_id.set(request_id),
                   context.deadline.set(start + self.settings.request_timeout_s))
         seen: dict[str, object] = {"status": 500, "model": "none", "started": False}
@@ -125,6 +120,7 @@ class Observe:
         declared = _content_length(headers.get(b"content-length"))
         reserved = 0
         admitted = False
+        epoch = None
         try:
             if exempt:
                 admitted = True
@@ -141,6 +137,8 @@ class Observe:
                 admitted = True
                 reserved = declared or 0
                 self.door.take(1, reserved)
+                if not path.startswith(CONTROL):
+                    epoch = self.door.enter()
             if admitted:
                 received = 0
                 waited = 0.0  # seconds spent waiting for this body's bytes: all a client is charged for
@@ -199,6 +197,8 @@ class Observe:
         finally:
             if admitted and not exempt:
                 self.door.take(-1, -reserved)
+            if epoch is not None:
+                self.door.leave(epoch)
             context.request_id.reset(tokens[0])
             context.deadline.reset(tokens[1])
         if not exempt:
@@ -208,34 +208,6 @@ class Observe:
             metrics.responses.labels(str(status)).inc()
             metrics.request_duration.labels(seen["model"], endpoint, f"{status // 100}xx").observe(
                 time.perf_counter() - start)
-
-
-class Door:
-    """The admission every protocol shares (HTTP here, gRPC in server.grpc_api): places for requests
-    in flight and the body bytes they hold, against ``max_in_flight`` and ``max_in_flight_bytes``.
-    One event loop: a check and its take, with no await between them, are atomic."""
-
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
-        self.settings, self.metrics = settings, metrics
-        self.in_flight = 0
-        self.in_flight_bytes = 0
-
-    def refusal(self, nbytes: int, place: bool = True) -> tuple[ServiceError, str] | None:
-        """Why a request of ``nbytes`` body bytes cannot come in now (the error, the reject reason), or
-        None; ``place=False``: its place is taken already, only the bytes are asked for."""
-        settings = self.settings
-        if place and self.in_flight >= settings.max_in_flight:
-            return QueueFull(f"{settings.max_in_flight} requests in flight; try again shortly"), "too_many_requests"
-        if self.in_flight_bytes + nbytes > settings.max_in_flight_bytes:
-            return QueueFull(f"the requests in flight hold {self.in_flight_bytes} body bytes; this one needs {nbytes} "
-                             f"more (max_in_flight_bytes {settings.max_in_flight_bytes}); try again shortly"), "body_budget"
-        return None
-
-    def take(self, requests: int, nbytes: int) -> None:
-        self.in_flight += requests
-        self.in_flight_bytes += nbytes
-        self.metrics.in_flight.set(self.in_flight)
-        self.metrics.in_flight_bytes.set(self.in_flight_bytes)
 
 
 async def _receive_within(receive: Receive, seconds: float) -> Message:
@@ -292,7 +264,7 @@ def _content_length(value: bytes | None) -> int | None:
 
 
 def create_app(settings: Settings | None = None, *, models: list[ServedModel] | None = None,
-               batcher: Batcher | None = None) -> FastAPI:
+               batcher=None) -> FastAPI:
     """Build the app. ``models`` (already loaded) replaces ``settings.models`` (tests, embedding);
     ``batcher`` replaces the in-process one (a front-end process's ``RemoteBatcher``, whose engine
     process warmed the models up: pass ``warmup=False`` settings with it)."""
@@ -303,48 +275,29 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state = app.state
-        specs = settings.models or default_model_specs(settings)
-        if models is None:
-            loaded = [await asyncio.to_thread(load_served_model, s, settings, log.info) for s in specs]
-            apply_jpeg_draft(loaded, settings.jpeg_draft)  # `softmoe serve` applies it in run.load_models
-        else:
-            loaded = models
-        names = [m.name for m in loaded]
-        if len(set(names)) != len(names):
-            raise RuntimeError(f"two models share a name: {names}")
-        batcher = given_batcher if given_batcher is not None else Batcher(settings.device, metrics, workers=settings.concurrent_batches)
+        engine = Engine(settings, metrics, batcher=given_batcher)
+        loaded = models if models is not None else await asyncio.to_thread(load_models, settings)
+        engine.adopt(loaded)
+        engine.checkpoints.append(state.door.checkpoint)
+        state.engine, state.models, state.batcher = engine, engine.models, engine.batcher
+        state.control = ModelControl(engine, settings)
+        state.service = Service(settings, engine.models, engine.batcher, metrics, control=state.control)
         for m in loaded:
-            metrics.model_ready.labels(m.name).set(0)
-            metrics.init_model(m.name)
-            attach_queues(m, batcher, settings, metrics)
-            info = m.backend.describe()
-            providers = info.get("providers") or {}
-            provider = sorted({p[0] for p in providers.values() if p})[0] if providers else info.get("device", "")
-            metrics.backend_info.labels(m.name, info.get("backend", m.backend.name), info.get("device", ""),
-                                        info.get("precision", settings.precision), provider).set(1)
-        state.models = {m.name: m for m in loaded}
-        state.batcher = batcher
-        state.service = Service(settings, state.models, batcher, metrics)
-        for m in loaded:
-            await asyncio.to_thread(warmup, m, settings, log.info)
-            m.ready = True
-            metrics.model_ready.labels(m.name).set(1)
-        batcher.start()
-        metrics.worker_alive.set(1)
+            await asyncio.to_thread(engine.warm, m)
+        engine.start()
         state.ready = True
         metrics.server_ready.set(1)
-        log.info("ready: %s", ", ".join(f"{m.name} ({m.kind}, {m.backend.name})" for m in loaded))
+        log.info("ready: %s", ", ".join(f"{m.name} ({m.kind}, {m.backend.name})" for m in loaded) or "no model loaded")
+        state.control.start()
         try:
             yield
         finally:
             state.ready = False
             metrics.server_ready.set(0)
-            batcher.stop()
+            state.control.stop()
+            engine.batcher.stop()
             state.service.close()
-            for m in loaded:
-                m.ready = False
-                metrics.model_ready.labels(m.name).set(0)
-                m.backend.close()
+            await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="softmoe-serve", version=__version__, lifespan=lifespan,
                   description="Soft MoE ViT and LiT two-tower inference: classify, embed, zero-shot, OpenAI "
@@ -355,7 +308,7 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     app.state.door = Door(settings, metrics)
     metrics.init_errors(ERROR_TYPES, STATUSES)
 
-    from .routes import oip, openai, page, routing, v1
+    from server.http.routes import oip, openai, page, routing, v1
 
     app.include_router(v1.router)
     app.include_router(openai.router)
@@ -400,7 +353,7 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
 
 def _openapi_components(app: FastAPI) -> None:
     """Add the request schemas referenced by the hand-written request bodies."""
-    from . import schemas
+    from server.api import schemas
 
     original = app.openapi
 
@@ -419,10 +372,3 @@ def _openapi_components(app: FastAPI) -> None:
         return doc
 
     app.openapi = openapi
-
-
-def default_model_specs(settings: Settings) -> list[str]:
-    """The built-in default model(s), created on first use."""
-    from .default_model import default_packages
-
-    return default_packages(settings.cache_dir)

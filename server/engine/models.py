@@ -17,11 +17,11 @@ from softmoe_models.package import read_package
 from softmoe_models.preprocess import PreprocessConfig
 from softmoe_models.tokenizer import Tokenizer
 
-from .backends.base import PIXELS, ROUTING, Backend
-from .batching.batcher import Batcher, ModelQueue
-from .errors import ModelLoadError
-from .metrics import Metrics
-from .settings import Settings
+from server.backends.base import PIXELS, ROUTING, Backend
+from server.batching.batcher import Batcher, ModelQueue
+from server.errors import ModelLoadError
+from server.metrics import Metrics
+from server.settings import Settings
 
 DEFAULT_TEMPLATES = ["a photo of a {}.", "a picture of a {}.", "an image of a {}.", "{}"]
 
@@ -301,14 +301,14 @@ def total_threads(settings: Settings) -> int:
 
 
 def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
-    from .backends.cuda import resolve_precision
+    from server.backends.cuda import resolve_precision
 
     _check_pixel_transfer(settings)
     _check_concurrency(settings)
 
     precision = resolve_precision(settings.backend, settings.device, settings.precision)
     if settings.backend == "torch":
-        from .backends.torch_backend import TorchBackend
+        from server.backends.torch_backend import TorchBackend
 
         return TorchBackend(path, device=settings.device, precision=precision,
                             max_batch_size=settings.max_batch_size, threads=backend_threads(settings),
@@ -316,7 +316,7 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
                             routing=settings.routing, pixel_transfer=settings.pixel_transfer,
                             batch_invariant=settings.strict_determinism and settings.proven_shapes)
     if settings.backend == "onnxruntime":
-        from .backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
+        from server.backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
 
         files = exported_files(path, settings.cache_dir, precision, log=log, device=settings.device,
                                routing=settings.routing)
@@ -324,7 +324,7 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
                                   threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
                                   routing=settings.routing, spin=settings.ort_spinning,
                                   lone_threads=lone_threads(settings))
-    from .backends.tensorrt_backend import TensorRTBackend
+    from server.backends.tensorrt_backend import TensorRTBackend
 
     return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
                            cache_dir=settings.cache_dir, routing=settings.routing)
@@ -334,7 +334,7 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
     """An exported file on its own: everything the server needs is in its metadata."""
     from export.onnx import read_metadata
 
-    from .backends.onnxruntime_backend import OnnxRuntimeBackend
+    from server.backends.onnxruntime_backend import OnnxRuntimeBackend
 
     if settings.backend != "onnxruntime":
         raise ModelLoadError(f"{path}: an .onnx file is served with --backend onnxruntime")
@@ -400,8 +400,10 @@ def apply_jpeg_draft(models: list[ServedModel], names: list[str]) -> None:
         model.preprocess = dataclasses.replace(model.preprocess, jpeg_draft=True)
 
 
-def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metrics: Metrics) -> None:
-    """One batcher queue per function of the model, all on the device's one worker.
+def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metrics: Metrics,
+                  group: str | None = None) -> None:
+    """One batcher queue per function of the model, all on the device's one worker; ``group`` names
+    this version's queues (the engine's: two versions of a model share its label while one drains).
 
     Under ``--wide-lone-batches`` every queue gets a plan: the image function that has a routing
     graph runs beside other calls on its own session (a share of the threads) and alone on the
@@ -415,7 +417,7 @@ def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metr
         queue = model.queues[fn] = batcher.add_queue(ModelQueue(
             f"{model.name}/{fn}", model.name, call, max_batch_size=settings.max_batch_size,
             max_delay_s=settings.max_delay_ms / 1000, max_queue=settings.max_queue,
-            pad=settings.strict_determinism, metrics=metrics, eager=settings.eager_batching,
+            pad=settings.strict_determinism, metrics=metrics, eager=settings.eager_batching, group=group,
         ))
         if lone:
             if model.routing is not None and fn == model.routing.plain and fn in narrow:
@@ -424,7 +426,7 @@ def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metr
             else:
                 queue.plan = _alone
     if model.routing is not None:
-        _attach_routing(model, batcher, settings, metrics)
+        _attach_routing(model, batcher, settings, metrics, group)
 
 
 def _alone(beside: bool) -> bool:
@@ -432,7 +434,8 @@ def _alone(beside: bool) -> bool:
     return False
 
 
-def _attach_routing(model: ServedModel, batcher: Batcher, settings: Settings, metrics: Metrics) -> None:
+def _attach_routing(model: ServedModel, batcher: Batcher, settings: Settings, metrics: Metrics,
+                    group: str | None) -> None:
     """The routing queue (/v1/routing, batched like the rest), the sampled plain queue, the series."""
     state = model.routing
     if state.sample and not state.lone:  # under --wide-lone-batches the plan samples
@@ -442,7 +445,7 @@ def _attach_routing(model: ServedModel, batcher: Batcher, settings: Settings, me
         f"{model.name}/{ROUTING}", model.name, lambda rows, backend=model.backend: backend.run(ROUTING, rows),
         max_batch_size=settings.max_batch_size, max_delay_s=settings.max_delay_ms / 1000,
         max_queue=settings.max_queue, pad=settings.strict_determinism, metrics=metrics,
-        eager=settings.eager_batching,
+        eager=settings.eager_batching, group=group,
     ))
     if wide_lone(settings):
         queue.plan = _alone

@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from .backends.base import ROUTING, all_functions
-from .errors import ModelLoadError
-from .registry import ServedModel, backend_threads, total_threads, wide_lone
-from .settings import Settings
+from server.backends.base import ROUTING, all_functions
+from server.errors import ModelLoadError
+from server.engine.models import ServedModel, backend_threads, total_threads, wide_lone
+from server.settings import Settings
 
 
 def warmup(model: ServedModel, settings: Settings, log=print) -> None:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
-from ..errors import QueueFull, Unavailable
-from .batcher import ModelQueue, Result, Rows
-from .engine import CANCEL, ERROR, FREED, HELLO, RESULT, STATE, SUBMIT, WELCOME, Link, unpack_error
-from .shm import AdmissionTable, Arena
+from server.errors import QueueFull, Unavailable
+from server.batching.batcher import ModelQueue, Result, Rows
+from server.workers.process import CANCEL, ERROR, FREED, HELLO, RESULT, STATE, SUBMIT, WELCOME, Link, unpack_error
+from server.workers.shm import AdmissionTable, Arena
 
 log = logging.getLogger("softmoe.frontend")
 
@@ -124,7 +124,7 @@ class RemoteBatcher:
         """ServedModel objects for the app, without weights (see the module docstring)."""
         from softmoe_models.tokenizer import Tokenizer
 
-        from ..registry import ServedModel
+        from server.engine.models import ServedModel
 
         models = []
         for d in self.info["models"]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parent / "default_models"
+SHIPPED = Path(__file__).resolve().parents[1] / "default_models"
 NAMES = ("digits", "digits-lit")
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import PydanticCustomError
+
+from server.errors import BadRequest, Unprocessable
 
 UNICODE_ERROR = "unicode"  # the validation error type of Text: a 400 naming the field (routes.inputs)
 # Validation error types of text that is not Unicode: Text's, and pydantic's own for a constrained str.
@@ -62,8 +64,31 @@ class ModelReadiness(BaseModel):
 
 class RepositoryEntry(BaseModel):
     name: str
-    version: str
-    state: str
+    version: str = Field(description="the serving version's number (loads so far); empty if never loaded")
+    state: Literal["READY", "UNAVAILABLE", "LOADING", "UNLOADING"]
+    reason: str = Field("", description="why it is not READY, or why its last load failed")
+
+
+class RepositoryIndexRequest(_Strict):
+    ready: bool = Field(False, description="only the models ready for inference")
+
+
+class RepositoryLoadParameters(_Strict):
+    unload_first: bool = Field(
+        False, description="unload the serving version before loading the new one (a gap in service: for a "
+        "model whose two versions do not fit in memory together)")
+
+
+class RepositoryLoadRequest(_Strict):
+    parameters: RepositoryLoadParameters = Field(default_factory=RepositoryLoadParameters)
+
+
+class RepositoryUnloadParameters(_Strict):
+    unload_dependents: bool = Field(False, description="Triton's; models here have no dependents")
+
+
+class RepositoryUnloadRequest(_Strict):
+    parameters: RepositoryUnloadParameters = Field(default_factory=RepositoryUnloadParameters)
 
 
 class ClassifyRequest(_Strict):
@@ -203,3 +228,15 @@ class OIPServerMetadata(BaseModel):
     name: str
     version: str
     extensions: list[str]
+
+
+def validation_error(e: ValidationError) -> Unprocessable | BadRequest:
+    """The first error, naming its field: 422 for what the schema refuses, 400 for text that is not
+    Unicode (a malformed request, like bad base64), which is reported first wherever it is."""
+    errors = e.errors()
+    bad_text = [err for err in errors if err.get("type") in NOT_UNICODE]
+    err = (bad_text or errors)[0]
+    # A union's member tags ("function-after[...]", "list[...]") are pydantic's, not the request's.
+    loc = ".".join(str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and "[" in p))
+    message = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
+    return (BadRequest if bad_text else Unprocessable)(message, param=loc or None)

@@ -14,25 +14,13 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from ..errors import BadRequest, ClientDisconnected, Unprocessable, UnsupportedMediaType
-from ..pipeline.body import MAX_PARTS, inflate, loads, multipart, text_field
-from ..schemas import NOT_UNICODE
-from ..service import decode_b64
+from server.errors import BadRequest, ClientDisconnected, Unprocessable, UnsupportedMediaType
+from server.pipeline.body import MAX_PARTS, inflate, loads, multipart, text_field
+from server.api.schemas import validation_error
+from server.api.service import decode_b64
 
 M = TypeVar("M", bound=BaseModel)
 LIST_FIELDS = ("labels", "templates", "texts")
-
-
-def validation_error(e: ValidationError) -> Unprocessable | BadRequest:
-    """The first error, naming its field: 422 for what the schema refuses, 400 for text that is not
-    Unicode (a malformed request, like bad base64), which is reported first wherever it is."""
-    errors = e.errors()
-    bad_text = [err for err in errors if err.get("type") in NOT_UNICODE]
-    err = (bad_text or errors)[0]
-    # A union's member tags ("function-after[...]", "list[...]") are pydantic's, not the request's.
-    loc = ".".join(str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and "[" in p))
-    message = f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
-    return (BadRequest if bad_text else Unprocessable)(message, param=loc or None)
 
 
 def _coerce(fields: dict[str, list[str]], model: type[BaseModel]) -> dict[str, Any]:

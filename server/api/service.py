@@ -20,15 +20,15 @@ import numpy as np
 from softmoe_models import routing as routing_lib
 from softmoe_models.preprocess import to_pixel_values
 
-from . import context
-from .batching.batcher import Batcher, ModelQueue, Result
-from .errors import BadRequest, ClientDisconnected, NotFound, ServiceError, Unavailable, Unprocessable
-from .metrics import Metrics
-from .pipeline import postprocess as post
-from .pipeline.prepare import prepare_image
-from .pipeline.probe import ImageInfo, budget, probe
-from .registry import PIXELS, ROUTING, ServedModel
-from .settings import Settings
+from server import context
+from server.batching.batcher import Batcher, ModelQueue, Result
+from server.errors import BadRequest, ClientDisconnected, NotFound, ServiceError, Unavailable, Unprocessable
+from server.metrics import Metrics
+from server.pipeline import postprocess as post
+from server.pipeline.prepare import prepare_image
+from server.pipeline.probe import ImageInfo, budget, probe
+from server.engine.models import PIXELS, ROUTING, ServedModel
+from server.settings import Settings
 
 MAX_TEMPLATES = 32
 PNG_MAX_PIXELS = 16_777_216  # /v1/routing?format=png: the sheet's size (48 MiB of RGB)
@@ -156,14 +156,21 @@ def lower_priority(nice: int) -> None:
 
 
 class Service:
-    def __init__(self, settings: Settings, models: dict[str, ServedModel], batcher: Batcher, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, models: dict[str, ServedModel], batcher: Batcher, metrics: Metrics,
+                 control=None) -> None:
+        """
+        Args:
+            models: the engine's map of what serves now (it changes while serving).
+            control: the model control (engine.control.ModelControl), which says why a name does not serve.
+        """
         self.settings, self.models, self.batcher, self.metrics = settings, models, batcher, metrics
+        self.control = control
         self.pool = ThreadPoolExecutor(settings.decode_workers, thread_name_prefix="softmoe-decode",
                                        initializer=lower_priority, initargs=(settings.decode_nice,))
         self.label_cache = LabelCache(settings.label_cache_size)
         self.gpu_jpeg = None  # --decode-device cuda: nvJPEG (server/pipeline/gpu_decode.py)
         if settings.decode_device == "cuda":
-            from .pipeline.gpu_decode import open_decoder
+            from server.pipeline.gpu_decode import open_decoder
 
             self.gpu_jpeg = open_decoder()
 
@@ -174,7 +181,7 @@ class Service:
         if name:
             model = self.models.get(name)
             if model is None:
-                raise NotFound(f"model {name!r} is not served; served: {sorted(self.models)}", param="model")
+                raise not_served(name, self.models, self.control)
             if not model.can(fn):
                 raise Unprocessable(f"model {name!r} ({model.kind}) cannot {what}", param="model")
         else:
@@ -399,7 +406,7 @@ class Service:
         if name:
             model = self.models.get(name)
             if model is None:
-                raise NotFound(f"model {name!r} is not served; served: {sorted(self.models)}", param="model")
+                raise not_served(name, self.models, self.control)
             if not (model.can("image") or model.can("classify")):
                 raise Unprocessable(f"model {name!r} ({model.kind}) cannot embed images", param="model")
             if not model.ready:
@@ -546,6 +553,13 @@ class Service:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def not_served(name: str, models: dict, control=None) -> NotFound:
+    """The 404 for a model name that serves no request, naming its state when the server knows it."""
+    state = control.describe_missing(name) if control is not None else None
+    why = f"is not loaded ({state})" if state else "is not served"
+    return NotFound(f"model {name[:100]!r} {why}; served: {sorted(models)}", param="model")
 
 
 def is_ready(state) -> bool:

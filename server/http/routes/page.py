@@ -2,7 +2,7 @@
 routing maps over the picture, per-stage latency), drawn in the browser from the public /v1
 endpoints only.
 
-Plain files from server/page, no build step and nothing from another origin: the
+Plain files from server/http/page, no build step and nothing from another origin: the
 Content-Security-Policy allows this origin only, plus data: and blob: images (the chosen picture).
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from ..errors import NotFound
+from server.errors import NotFound
 
 PAGE = Path(__file__).resolve().parents[1] / "page"
 # The files a browser may fetch under /static, with their media types; nothing else is served.

@@ -12,7 +12,7 @@ sent nothing is owed nothing, as at the keep-alive timeout). Both count in
 ``softmoe_requests_rejected_total{model="none"}`` (``slow_client``, ``over_budget``) and in the
 response and error counters, like every other refusal.
 
-The body and the response are bounded by the request's deadline in ``server.app.Observe``, where
+The body and the response are bounded by the request's deadline in ``server.http.app.Observe``, where
 the request is known. A head that arrives while an earlier request of the same connection is
 still being answered (HTTP pipelining) is only size-bounded here: uvicorn stops reading once it is
 complete, and the earlier request's own deadline bounds the wait. A refused pipelined head is
@@ -38,9 +38,9 @@ from http import HTTPStatus
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .app import _ids  # request ids, reseeded in forked front ends
-from .errors import HeadersTooLarge, RequestTimeout, ServiceError, Unavailable
-from .metrics import DOOR, Metrics
+from server.api.door import new_request_id_bytes
+from server.errors import HeadersTooLarge, RequestTimeout, ServiceError, Unavailable
+from server.metrics import DOOR, Metrics
 
 log = logging.getLogger("softmoe.server")
 LINGER_S = 2.0  # after a refusal: how long what the client still sends is read and dropped
@@ -188,7 +188,7 @@ def bounded_protocol(header_timeout_s: float, max_header_bytes: int, response_ti
             self._deferred = None
             body = json.dumps(error.body()).encode()
             given = dict(getattr(self, "headers", None) or ()).get(b"x-request-id", b"")[:128]
-            rid = given if given and given.decode("latin-1").isprintable() else b"%032x" % _ids.getrandbits(128)
+            rid = given if given and given.decode("latin-1").isprintable() else new_request_id_bytes()
             extra = b"".join(b"%s: %s\r\n" % (k.lower().encode(), v.encode()) for k, v in error.headers.items()
                              if k.lower() != "connection")
             head = (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"

@@ -1,4 +1,7 @@
-"""Open Inference Protocol v2 (KServe / Triton REST), with Triton's binary tensor extension.
+"""The Open Inference Protocol v2's request model, independent of the transport: which tensors a
+model takes and gives, every input checked and converted (400 naming the field), the rows run
+through the model's queues, Triton's classification extension. HTTP (server.http.routes.oip) and
+gRPC (server.grpc_api) speak it over their own wire formats.
 
 Tensors: ``pixel_values`` (FP32, NCHW, the model's input range) -> ``logits`` (+ ``pre_logits``)
 for classifiers; two-tower ``pixel_values`` -> ``image_embeds``, ``input_ids`` (INT32 or INT64)
@@ -10,28 +13,17 @@ batching and determinism as the /v1 endpoints.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
-import time
 
 import numpy as np
-from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from softmoe_models import __version__
+from server.api.schemas import OIPInferRequest, validation_error
+from server.api.service import Timings, not_served
+from server.errors import BadRequest, NotFound, Unprocessable
+from server.pipeline.body import loads
 
-from ..errors import BadRequest, NotFound, Unavailable, Unprocessable
-from ..schemas import (Health, ModelReadiness, OIPError, OIPInferRequest, OIPInferResponse, OIPModelMetadata,
-                       OIPServerMetadata, RepositoryEntry)
-from ..pipeline.body import loads
-from ..registry import batching_parameters
-from ..service import Timings, is_ready
-from .inputs import read_body, validation_error
-
-router = APIRouter(tags=["open inference protocol v2"])
-ERRORS = {code: {"model": OIPError} for code in (400, 404, 413, 415, 422, 429, 500, 503, 504)}
+EXTENSIONS = ["binary_tensor_data", "classification", "model_repository"]  # what /v2 and ServerMetadata list
 DTYPES = {"FP32": np.float32, "FP64": np.float64, "FP16": np.float16, "INT32": np.int32, "INT64": np.int64,
           "INT16": np.int16, "INT8": np.int8, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64}
 OIP_NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
@@ -50,7 +42,7 @@ _INPUTS = {
 TEXT = "text"  # a two-tower model with a tokenizer takes strings (BYTES), as Triton users send them
 
 
-def _accepted(model) -> dict[str, tuple[str, tuple[str, ...]]]:
+def accepted_inputs(model) -> dict[str, tuple[str, tuple[str, ...]]]:
     functions = model.backend.functions
     out = {name: (fn, types) for name, (fn, types) in _INPUTS.get(model.kind, {}).items()
            if fn in functions and any(s.name == name for s in functions[fn].inputs)}
@@ -59,14 +51,10 @@ def _accepted(model) -> dict[str, tuple[str, tuple[str, ...]]]:
     return out
 
 
-def _model(request: Request, name: str, version: str | None = None):
-    return served_model(request.app.state.models, name, version)
-
-
-def served_model(models: dict, name: str, version: str | None = None):
+def served_model(models: dict, name: str, version: str | None = None, control=None):
     model = models.get(name)
     if model is None:
-        raise NotFound(f"model {name[:100]!r} is not served; served: {sorted(models)}")
+        raise not_served(name, models, control)
     if version not in (None, "", "1"):
         raise NotFound(f"model {name!r} has no version {version[:40]!r}; it has version '1'")
     return model
@@ -77,59 +65,11 @@ def tensors_of(model) -> tuple[list[dict], list[dict]]:
     for fn, spec in model.backend.functions.items():
         for s in spec.inputs:
             ins.append({"name": s.name, "datatype": OIP_NAMES[np.dtype(s.dtype)], "shape": [-1, *s.shape]})
-        if fn == "text" and TEXT in _accepted(model):
+        if fn == "text" and TEXT in accepted_inputs(model):
             ins.append({"name": TEXT, "datatype": "BYTES", "shape": [-1]})
         for o in spec.outputs:
             outs.append({"name": o, "datatype": "FP32", "shape": [-1, -1]})
     return ins, outs
-
-
-@router.get("/v2", response_model=OIPServerMetadata, summary="Server metadata")
-async def server_metadata():
-    return {"name": "softmoe-serve", "version": __version__, "extensions": ["binary_tensor_data", "classification"]}
-
-
-@router.get("/v2/health/live", response_model=Health, responses={503: {"model": Health}},
-            summary="Liveness: the process can serve (its device worker is alive)")
-async def live(request: Request):
-    batcher = request.app.state.batcher
-    if batcher is not None and batcher.dead:
-        return JSONResponse({"live": False, "reason": batcher.dead}, status_code=503)
-    if batcher is not None and request.app.state.ready and not batcher.alive and not request.app.state.draining:
-        return JSONResponse({"live": False, "reason": "the device worker is not running"}, status_code=503)
-    return JSONResponse({"live": True})
-
-
-@router.get("/v2/health/ready", response_model=Health, responses={503: {"model": Health}},
-            summary="Readiness: every model loaded and warmed up, not draining")
-async def ready(request: Request):
-    ok = is_ready(request.app.state)
-    return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
-
-
-@router.get("/v2/models/{model_name}", response_model=OIPModelMetadata, responses=ERRORS, summary="Model metadata")
-@router.get("/v2/models/{model_name}/versions/{version}", response_model=OIPModelMetadata, responses=ERRORS,
-            include_in_schema=False)
-async def model_metadata(request: Request, model_name: str, version: str | None = None):
-    model = _model(request, model_name, version)
-    ins, outs = tensors_of(model)
-    # parameters: what actually runs (the provider ONNX Runtime really uses, not what was asked for).
-    return {"name": model.name, "versions": ["1"], "platform": f"softmoe_{model.backend.name}", "inputs": ins,
-            "outputs": outs, "parameters": {**model.backend.describe(), **batching_parameters(model, request.app.state.settings)}}
-
-
-@router.get("/v2/models/{model_name}/ready", response_model=ModelReadiness,
-            responses={**ERRORS, 503: {"model": ModelReadiness}}, summary="Model readiness")
-@router.get("/v2/models/{model_name}/versions/{version}/ready", include_in_schema=False)
-async def model_ready(request: Request, model_name: str, version: str | None = None):
-    model = _model(request, model_name, version)
-    return JSONResponse({"name": model.name, "ready": model.ready}, status_code=200 if model.ready else 503)
-
-
-@router.post("/v2/repository/index", response_model=list[RepositoryEntry], summary="Models in the repository (Triton extension)")
-async def repository_index(request: Request):
-    return JSONResponse([{"name": m.name, "version": "1", "state": "READY" if m.ready else "UNAVAILABLE"}
-                         for m in request.app.state.models.values()])
 
 
 MAX_DIMS = 8
@@ -137,7 +77,7 @@ MAX_DIM = 2**31 - 1
 PIXEL_RANGE = 1e4  # preprocessed pixels sit in [-1, 1] (vmoe) or a few units with mean/std: far inside this
 
 
-def _parse_body(raw: bytes, header_len: str | None) -> tuple[OIPInferRequest, bytes]:
+def parse_body(raw: bytes, header_len: str | None) -> tuple[OIPInferRequest, bytes]:
     if header_len is not None:
         text = header_len.strip()
         if not text.isdigit() or len(text) > 18:
@@ -165,7 +105,7 @@ def request_from(payload: dict) -> OIPInferRequest:
     return req
 
 
-def _flag(params: dict | None, key: str, where: str, default: bool = False) -> bool:
+def flag(params: dict | None, key: str, where: str, default: bool = False) -> bool:
     value = (params or {}).get(key, default)
     if not isinstance(value, bool):
         raise BadRequest(f"{where}.parameters.{key} must be true or false, got {type(value).__name__}",
@@ -185,7 +125,7 @@ def _count(params: dict | None, key: str, where: str, lo: int, hi: int) -> int |
 
 def _check_parameters(req: OIPInferRequest) -> None:
     """Every parameter we read, type-checked up front: 400 naming the field, never a 500."""
-    _flag(req.parameters, "binary_data_output", "request")
+    flag(req.parameters, "binary_data_output", "request")
     for i, t in enumerate(req.inputs):
         where = f"inputs[{i}]"
         if len(t.shape) > MAX_DIMS or any(not 0 <= d <= MAX_DIM for d in t.shape):
@@ -194,7 +134,7 @@ def _check_parameters(req: OIPInferRequest) -> None:
         _count(t.parameters, "binary_data_size", where, 0, 2**62)
     for i, o in enumerate(req.outputs or []):
         where = f"outputs[{i}]"
-        _flag(o.parameters, "binary_data", where)
+        flag(o.parameters, "binary_data", where)
         _count(o.parameters, "classification", where, 0, 1_000_000)
 
 
@@ -280,7 +220,7 @@ def _strings(t, where: str, binary: bytes, offset: int, settings) -> tuple[list[
 
 def tensors_in(model, req: OIPInferRequest, binary: bytes, settings) -> list[tuple[str, str, np.ndarray]]:
     """Every input checked and converted (off the event loop): (function, name, array)."""
-    accepted = _accepted(model)
+    accepted = accepted_inputs(model)
     if not req.inputs:
         raise Unprocessable("no inputs given", param="inputs")
     out, offset, seen = [], 0, set()
@@ -311,55 +251,6 @@ def tensors_in(model, req: OIPInferRequest, binary: bytes, settings) -> list[tup
                              "(preprocessed pixels)", param=t.name)
         out.append((fn, t.name, np.ascontiguousarray(arr, dtype=spec.dtype)))
     return out
-
-
-@router.post("/v2/models/{model_name}/infer", response_model=OIPInferResponse, responses=ERRORS, summary="Inference (OIP v2)",
-             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                 "schema": {"$ref": "#/components/schemas/OIPInferRequest"}}}}})
-@router.post("/v2/models/{model_name}/versions/{version}/infer", include_in_schema=False)
-async def infer(request: Request, model_name: str, version: str | None = None):
-    t0 = time.perf_counter()
-    model = _model(request, model_name, version)
-    if not model.ready:
-        raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
-    svc = request.app.state.service
-    raw = await read_body(request)
-
-    def parse() -> tuple[OIPInferRequest, list[tuple[str, str, np.ndarray]]]:
-        req, binary = _parse_body(raw, request.headers.get(BINARY_HEADER))
-        return req, tensors_in(model, req, binary, svc.settings)
-
-    req, tensors = await asyncio.to_thread(parse)
-    timings = Timings()
-    outputs, classes = await compute(svc, model, req, tensors, timings, request.receive)
-    svc.finish(model, "oip_infer", timings, time.perf_counter(), t0)
-    binary_all = _flag(req.parameters, "binary_data_output", "request")
-    binary_names = {o.name for o in (req.outputs or []) if _flag(o.parameters, "binary_data", "outputs", binary_all)}
-    if not req.outputs and binary_all:
-        binary_names = set(outputs)
-    body = {"model_name": model.name, "model_version": "1", "outputs": []}
-    if req.id is not None:
-        body["id"] = req.id
-    chunks = []
-    for name, arr in outputs.items():
-        if classes.get(name):
-            tensor, data = classification(arr, classes[name], model.labels, name in binary_names)
-            tensor["name"] = name
-        else:
-            tensor = {"name": name, "datatype": "FP32", "shape": list(arr.shape)}
-            data = arr.astype("<f4").tobytes() if name in binary_names else None
-            if data is None:
-                tensor["data"] = arr.reshape(-1).tolist()
-        if data is not None:
-            tensor["parameters"] = {"binary_data_size": len(data)}
-            chunks.append(data)
-        body["outputs"].append(tensor)
-    headers = {**timings.headers(), "x-model": model.name}
-    if chunks:
-        head = json.dumps(body).encode()
-        headers["Inference-Header-Content-Length"] = str(len(head))
-        return Response(head + b"".join(chunks), media_type="application/octet-stream", headers=headers)
-    return JSONResponse(body, headers=headers)
 
 
 async def compute(svc, model, req: OIPInferRequest, tensors: list[tuple[str, str, np.ndarray]], timings: Timings,

@@ -1,0 +1,1 @@
+"""The HTTP door: the FastAPI app, its routes, the page, bounded connections."""
