@@ -57,6 +57,10 @@ object with every ratio):
   embed      `softmoe embed` over 640x480 JPEGs vs the raw backend on the same model, soft-s16-e128 with
              defaults: images/s of the whole job (read, decode in its process pool, batcher, Parquet)
              over the backend alone at a full batch (loadtests/embed_bench.py).
+  swap       soft-s16-e128 in a model repository, served at 70% of its saturated throughput while it is
+             reloaded 3 times (POST /v2/repository/models/a/load): non-200 answers, p99 while a reload
+             runs over p99 steady; then a second copy loaded and unloaded: resident memory after over
+             before, as growth in weight bytes (loadtests/swap_bench.py).
   layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
              eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
@@ -476,9 +480,12 @@ GOALS = {  # key: (comparison, target); the last four are issue 14's
     "frontend_scaling": (">=", 0.8),
     "rss_over_weights": ("<=", 1.35),
     "embed_over_raw": (">=", 0.9),
+    "swap_failures": ("<=", 0),
+    "swap_p99_over_steady": ("<=", 2.0),
+    "swap_rss_growth_over_weights": ("<=", 0.25),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "embed", "layers", "gpu")
+            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "embed", "swap", "layers", "gpu")
 
 
 def _positive(kind):
@@ -494,7 +501,7 @@ def _positive(kind):
 
 def main(argv: list[str] | None = None) -> None:
     from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, embed_bench, grpc_bench, invariance_bench,
-                           memory_bench, peers_bench, protocol_cost, sparse_bench, spin_bench)
+                           memory_bench, peers_bench, protocol_cost, sparse_bench, spin_bench, swap_bench)
     from loadtests.peers.common import SESSIONS
 
     argv = sys.argv[1:] if argv is None else argv
@@ -549,6 +556,7 @@ def main(argv: list[str] | None = None) -> None:
             "memory": lambda: memory_bench.section(mode, Path(tmp)),
             "sparse": lambda: sparse_bench.section(mode, Path(tmp)),
             "embed": lambda: embed_bench.section(mode, Path(tmp)),
+            "swap": lambda: swap_bench.section(mode, Path(tmp)),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

@@ -68,11 +68,13 @@ class Engine:
         Args:
             settings: the server's settings.
             metrics: where the models' series live.
-            batcher: the batcher to queue on (a front end's ``RemoteBatcher``); default: a new one on
-                ``settings.device``.
+            batcher: the batcher to queue on (a front end's ``RemoteBatcher``, whose engine process
+                loads the models: this engine only mirrors them and counts no load); default: a new
+                one on ``settings.device``.
             say: where each model's one-line description goes (the log by default).
         """
         self.settings, self.metrics = settings, metrics
+        self.mirror = batcher is not None
         self.batcher = batcher if batcher is not None else Batcher(settings.device, metrics,
                                                                   workers=settings.concurrent_batches)
         self.say = say or log.info
@@ -121,12 +123,15 @@ class Engine:
 
     def warm(self, model: ServedModel) -> None:
         """Warm-up and start-up proofs, then the model takes traffic."""
+        started = time.perf_counter()
         warmup(model, self.settings, self.say)
         model.ready = True
         self.metrics.model_ready.labels(model.name).set(1)
         status = self.status.setdefault(model.name, ModelStatus(model.name, source=model.source))
         status.version, status.state, status.reason = status.version + 1, READY, ""
-        self.metrics.model_loads.labels(model.name, "success").inc()
+        if not self.mirror:
+            self.metrics.model_load_duration.labels(model.name).observe(model.opened_s + time.perf_counter() - started)
+            self.metrics.model_loads.labels(model.name, "success").inc()
 
     def start(self) -> None:
         self.batcher.start()

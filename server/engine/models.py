@@ -6,6 +6,7 @@ import base64
 import dataclasses
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,7 @@ class ServedModel:
     proven_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # strict mode, per function
     routing: RoutingState | None = None  # image models with Soft MoE layers (--routing)
     ready: bool = False
+    opened_s: float = 0.0  # seconds its package took to open (backend, export or cache): part of its load time
 
     def can(self, fn: str) -> bool:
         return fn in self.backend.functions or (fn == ROUTING and self.routing is not None)
@@ -201,6 +203,15 @@ def parse_spec(spec: str) -> tuple[str | None, Path]:
 
 
 def load_served_model(spec: str, settings: Settings, log=print) -> ServedModel:
+    """The package (or .onnx) of ``spec`` (``NAME=PATH`` or ``PATH``) on its backend; ModelLoadError
+    (one line) when it cannot be served."""
+    started = time.perf_counter()
+    model = _load_served_model(spec, settings, log)
+    model.opened_s = time.perf_counter() - started
+    return model
+
+
+def _load_served_model(spec: str, settings: Settings, log) -> ServedModel:
     name, path = parse_spec(spec)
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")

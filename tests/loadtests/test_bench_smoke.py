@@ -59,6 +59,8 @@ KEYS = (
     "sparse_ec_forms_max_abs_diff",
     # softmoe embed over JPEG files vs the raw backend
     "embed_over_raw", "embed_img_per_s", "embed_raw_img_per_s",
+    # a model reloaded while it serves: failures, p99 during over steady, memory after an unload
+    "swap_failures", "swap_p99_over_steady", "swap_rss_growth_over_weights", "swap_sat_img_s", "swap_reload_s",
     # the run
     "errors", "seconds",
 )
