@@ -30,7 +30,7 @@ from softmoe_models.layers import Encoder
 from softmoe_models.soft_moe import configure_routing
 
 from .graphs import Graph, TensorSpec
-from .onnx import _export_one, op_inventory
+from .onnx import export_one, op_inventory
 from .runtime import ort_session
 
 TOKENS, EXPERTS = 196, 128
@@ -73,7 +73,7 @@ def _export(stack: Encoder, path: Path, *, fused: bool, experts: str) -> dict[st
     configure_routing(stack, fused=fused, experts_form=experts)
     d = stack.norm.normalized_shape[0]
     graph = Graph("stack", _Tokens(stack), [TensorSpec("tokens", ("batch", TOKENS, d), torch.float32)], ["hidden"])
-    _export_one(graph, path, opset=20, dynamic=True, metadata={}, external=True)
+    export_one(graph, path, opset=20, dynamic=True, metadata={}, external=True)
     configure_routing(stack, fused=True, experts_form="batched")
     return op_inventory(path)
 

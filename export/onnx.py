@@ -175,8 +175,8 @@ def op_inventory(path: str | Path) -> dict[str, int]:
     return counts
 
 
-def _export_one(graph: Graph, path: Path, opset: int, dynamic: bool, metadata: dict[str, str], external: bool | None,
-                sparse: bool = False) -> Path | None:
+def export_one(graph: Graph, path: Path, opset: int, dynamic: bool, metadata: dict[str, str], external: bool | None,
+               sparse: bool = False) -> Path | None:
     """Run the dynamo exporter for one graph; returns the external data file, if any. ``sparse``:
     the graph routes sparse V-MoE layers (``op_support.sparse_ops_for_tensorrt`` runs on it)."""
     from torch.export import Dim
@@ -486,7 +486,7 @@ def export_onnx(
         path = paths[role]
         t0 = time.perf_counter()
         meta = _metadata(pkg, role, precision, experts, graph, weights_sha, model, sparse_dispatch if sparse else None)
-        data = _export_one(graph, path, opset, dynamic_batch, meta, external_data, sparse)
+        data = export_one(graph, path, opset, dynamic_batch, meta, external_data, sparse)
         ops = op_inventory(path)
         if "Einsum" in ops and sparse_dispatch != "einsum":
             path.unlink(missing_ok=True)

@@ -93,8 +93,8 @@ from typing import Callable
 
 import numpy as np
 
-from loadtests.harness import (ERRORS, ROOT, Child, Load, _windows, b64, interleave, jpeg, jpeg_request, json_request,
-                               load, median, pick, proven_line, serve_many)
+from loadtests.harness import (ERRORS, ROOT, Child, Load, b64, interleave, jpeg, jpeg_request, json_request,
+                               load, median, pick, proven_line, rounded, serve_many)
 from loadtests.run import ServerProcess, free_port, wait_ready
 
 # ------------------------------------------------------------------ sections
@@ -310,7 +310,7 @@ def section_serving(mode: str, workdir: Path) -> dict[str, float]:
         med = {k: median(v) for k, v in res.items()}
         print(f"\n{title}, {unit}, median of windows:")
         for k, v in res.items():
-            print(f"  {k:28} {med[k]:8.{digits}f}   windows {_windows(v, digits)}")
+            print(f"  {k:28} {med[k]:8.{digits}f}   windows {rounded(v, digits)}")
         return med
 
     settings = Settings(max_batch_size=batch)  # what the servers below resolve their defaults to

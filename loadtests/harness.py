@@ -358,7 +358,8 @@ def jpeg(width: int, height: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
-def _windows(values: list[float], digits: int = 2) -> list[float]:
+def rounded(values: list[float], digits: int = 2) -> list[float]:
+    """``values`` rounded to ``digits`` places, for printing a section's windows."""
     return [round(v, digits) for v in values]
 
 

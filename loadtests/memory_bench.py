@@ -99,13 +99,13 @@ def one_session_cost(package: Path, cache: Path, rounds: int, log) -> dict[str, 
     import numpy as np
 
     from export.runtime import ort_session
-    from server.backends.onnxruntime_backend import _routing_sibling, exported_files
+    from server.backends.onnxruntime_backend import exported_files, routing_sibling
     from softmoe_models.routing import OUTPUTS
 
     files = exported_files(package, str(cache), "fp32", log=lambda m: None)
-    plain_file = next(f for f in files if _routing_sibling(f) is not None)
+    plain_file = next(f for f in files if routing_sibling(f) is not None)
     sessions = {"plain": ort_session(plain_file, providers=["CPUExecutionProvider"], spin="run"),
-                "routing": ort_session(_routing_sibling(plain_file), providers=["CPUExecutionProvider"], spin="run")}
+                "routing": ort_session(routing_sibling(plain_file), providers=["CPUExecutionProvider"], spin="run")}
     inp = sessions["plain"].get_inputs()[0]
     names = [o.name for o in sessions["routing"].get_outputs() if o.name not in OUTPUTS]
     rng, order = np.random.default_rng(0), random.Random(0)

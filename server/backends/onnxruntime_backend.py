@@ -185,7 +185,7 @@ class OnnxRuntimeBackend:
         # outputs and the routing ones besides: one copy of the weights per process, for about 2.5%
         # more per call (docs/design.md, "Weights held once"). Under ORT's CUDA-graph mode each graph
         # keeps its own session (one captured graph per session).
-        partnered = {f: _routing_sibling(f) for f in files if routing and _routing_sibling(f) is not None}
+        partnered = {f: routing_sibling(f) for f in files if routing and routing_sibling(f) is not None}
         shared = bool(partnered) and not self.cuda_graph
         if routing:
             files = [f for f in files if not (shared and f in partnered)]
@@ -284,7 +284,7 @@ class OnnxRuntimeBackend:
         self.sessions.clear()
 
 
-def _routing_sibling(path: Path) -> Path | None:
+def routing_sibling(path: Path) -> Path | None:
     """``M.routing.onnx`` for ``M.onnx`` (a classifier) or ``M.image.onnx`` (an image tower), if it exists."""
     name = path.name
     for suffix in (".image.onnx", ".onnx"):

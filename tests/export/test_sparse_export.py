@@ -88,7 +88,7 @@ def exported(tmp_path_factory) -> dict[tuple[str, str], dict]:
                 pkg, images = sparse_package(root, name, cf)
                 start = len(handler.lines)
                 (plain,) = ort_backend.exported_files(pkg, str(root / "cache"), "fp32", log=lambda m: None)
-                routing = ort_backend._routing_sibling(plain)
+                routing = ort_backend.routing_sibling(plain)
                 out[(name, cf)] = {"package": pkg, "images": images, "plain": plain, "routing": routing,
                                    "verify": handler.lines[start:]}
     finally:
