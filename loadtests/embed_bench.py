@@ -4,7 +4,7 @@
 
 The raw side is the backend as `softmoe serve` builds it (the same settings: their defaults),
 called at a full batch of pixels already in memory, as many calls at once as the server runs
-(``loadtests.bench.RawBackend``). The job side is `softmoe embed PKG DIR --out OUT` in its own
+(``loadtests.raw_backend.RawBackend``). The job side is `softmoe embed PKG DIR --out OUT` in its own
 process, with its defaults, on ``--images`` 640x480 JPEGs: the reading, the decode and
 preprocessing in its process pool, the batcher, the Parquet shards; its images/s is its
 _summary.json's, from the first sample read to the last row written (the model's loading and
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.harness import heavy_package, jpeg, median, pick, report
+from loadtests.raw_backend import RawBackend, warm_cache
 
 
 def write_images(folder: Path, n: int) -> None:
@@ -34,7 +35,6 @@ def write_images(folder: Path, n: int) -> None:
 
 
 def run(package: str, *, images: int, rounds: int, seconds: float, workdir: Path, log=print) -> dict[str, Any]:
-    from loadtests.bench import RawBackend, warm_cache
     from softmoe_models.package import read_package
 
     size = read_package(package).preprocess.image_size
