@@ -1,5 +1,6 @@
-"""Imports flow one way: server -> export -> softmoe_models, never back; and inside each layer no
-two modules import each other, directly or around a circle.
+"""Imports flow one way: server -> export -> softmoe_models, never back; inside server, down its
+own layers (below); and inside each layer no two modules import each other, directly or around a
+circle. The benchmark scripts (loadtests) are held to the same: no circles.
 
 The model layer converts and runs models without the export or serving stacks, and export builds
 artifacts without the server; a newcomer can read each layer knowing only the ones below it. The
@@ -7,6 +8,13 @@ artifacts without the server; a newcomer can read each layer knowing only the on
 (server/main.py). Every import is checked, not only the module-level ones: an import inside a
 function is the same arrow, merely taken later. Relative imports are resolved, and
 ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name count as imports.
+
+Inside server, from the bottom: what every part shares (settings, errors, metrics, context); the
+parts that run a model function, decode an image and batch (backends, pipeline, batching); the
+engine that owns models' lives; what the doors share (api) and the engine's own process (workers);
+the doors (http, grpc_api, jobs), none of which imports another; the process and the command
+(run, cli, main). A package may import its own modules and anything of a lower rank, nothing of its
+rank or above.
 
 Inside a layer, an import circle (``a`` imports ``b`` and ``b`` imports ``a``, perhaps inside a
 function so that it loads at all) means neither module can be read, tested or moved without the
@@ -73,6 +81,57 @@ def upward_imports(source: str, module: str, where: str, is_package: bool = Fals
     return problems
 
 
+# server's own layers, bottom up: a module's part is its first name under server (a package or a module).
+SERVER_RANKS = (
+    ("settings", "errors", "metrics", "context"),
+    ("backends",),
+    ("pipeline", "batching"),
+    ("engine",),
+    ("api", "workers"),
+    ("http", "grpc_api", "jobs"),
+    ("run",),
+    ("cli",),
+    ("main",),
+    ("__main__", ""),
+)
+SERVER_RANK = {part: i for i, parts in enumerate(SERVER_RANKS) for part in parts}
+
+
+def server_part(module: str) -> str:
+    """``server.engine.core`` -> ``engine``; ``server`` itself -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def server_problems(source: str, module: str, where: str, is_package: bool = False) -> list[str]:
+    """``where:line: part -> part (imports m)`` for each import inside server of a part of the same or
+    a higher rank (its own part excepted)."""
+    if module.split(".")[0] != "server":
+        return []
+    package = module if is_package else module.rpartition(".")[0]
+    mine = server_part(module)
+    problems = []
+    for line, target, theirs in _server_imports(ast.parse(source, filename=where), package):
+        if theirs not in SERVER_RANK or mine not in SERVER_RANK:
+            problems.append(f"{where}:{line}: server.{mine or '__init__'} or server.{theirs} has no rank in SERVER_RANKS")
+        elif theirs != mine and SERVER_RANK[theirs] >= SERVER_RANK[mine]:
+            problems.append(f"{where}:{line}: server.{mine} -> server.{theirs} (imports {target})")
+    return problems
+
+
+def _server_imports(tree: ast.AST, package: str) -> list[tuple[int, str, str]]:
+    """(line, module, part) of every import of server's modules in ``tree``; ``from server import x``
+    imports the part ``x``."""
+    found = []
+    for line, target in imported_modules(tree, package):
+        if target.split(".")[0] == "server" and target != "server":
+            found.append((line, target, server_part(target)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and resolve(node.module, node.level, package) == "server":
+            found += [(node.lineno, f"server.{alias.name}", alias.name) for alias in node.names]
+    return sorted(found)
+
+
 def layer_sources() -> list[Path]:
     files = [p for layer in LAYERS for p in sorted((ROOT / layer).rglob("*.py"))]
     assert len(files) > 50, "the walk found too few files: is ROOT the repository root?"
@@ -93,6 +152,14 @@ def test_imports_never_point_up_a_layer():
         where = str(path.relative_to(ROOT))
         problems += upward_imports(path.read_text(encoding="utf-8"), module, where, is_package)
     assert not problems, "imports must flow server -> export -> softmoe_models:\n" + "\n".join(problems)
+
+
+def test_server_imports_flow_down_its_own_layers():
+    problems = []
+    for path in layer_sources():
+        module, is_package = module_of(path)
+        problems += server_problems(path.read_text(encoding="utf-8"), module, str(path.relative_to(ROOT)), is_package)
+    assert not problems, "server's layers: a part imports only lower ranks (SERVER_RANKS):\n" + "\n".join(problems)
 
 
 def module_edges(source: str, module: str, is_package: bool, known: set[str]) -> list[tuple[int, str]]:
@@ -166,7 +233,7 @@ def _circle(graph: dict[str, dict[str, int]], members: set[str]) -> list[str]:
 
 
 def test_no_import_circles_inside_a_layer():
-    files = {module_of(p): p for p in layer_sources()}
+    files = {module_of(p): p for p in layer_sources() + sorted((ROOT / "loadtests").rglob("*.py"))}
     known = {module for module, _ in files}
     graph, lines = {}, {}
     for (module, is_package), path in files.items():
@@ -237,3 +304,21 @@ def test_the_cycle_finder_finds_circles_and_only_circles():
     known = {"server.pkg.a", "server.pkg.b", "server.pkg.c", "server.pkg", "server.pkg.d"}
     assert module_edges(source, "server.pkg.a", False, known) == [
         (1, "server.pkg.b"), (2, "server.pkg.c"), (5, "server.pkg.d")]
+
+
+def test_the_server_walker_refuses_the_same_rank_and_above():
+    source = """
+from server.engine.core import Engine
+from server.errors import NotFound
+
+def later():
+    from server.grpc_api import service
+    import server.run
+"""
+    problems = server_problems(source, "server.http.app", "server/http/app.py")
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        "server.http -> server.grpc_api (imports server.grpc_api)", "server.http -> server.run (imports server.run)"]
+    assert server_problems("from server.http.routes import v1\n", "server.http.app", "server/http/app.py") == []
+    assert server_problems("from server.api import oip\n", "server.engine.core", "server/engine/core.py") == [
+        "server/engine/core.py:1: server.engine -> server.api (imports server.api)"]
+    assert "no rank" in server_problems("from server.novel import x\n", "server.api.oip", "server/api/oip.py")[0]

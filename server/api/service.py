@@ -185,7 +185,7 @@ class Service:
             if not model.can(fn):
                 raise Unprocessable(f"model {name!r} ({model.kind}) cannot {what}", param="model")
         else:
-            model = next((m for m in self.models.values() if m.can(fn)), None)
+            model = next((m for m in list(self.models.values()) if m.can(fn)), None)
             if model is None:
                 raise NotFound(f"no served model can {what}", param="model")
         if not model.ready:
@@ -281,7 +281,7 @@ class Service:
         ``receive`` is the request's ASGI receive: once the body is read, its next message is the
         client's disconnect, so one waiting task detects it without polling (polling every
         waiting request kept the event loop busy, and the worker thread waited for the GIL
-        between torch ops: 35% of the backend's throughput on 2 cores).
+        between torch ops; docs/history.md has the measurement).
         """
         queue = model.queues[fn]
         own = held is None
@@ -413,7 +413,7 @@ class Service:
                 raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
             return model
         for fn in ("image", "classify"):
-            m = next((m for m in self.models.values() if m.can(fn)), None)
+            m = next((m for m in list(self.models.values()) if m.can(fn)), None)
             if m is not None:
                 return self.pick(m.name, fn, "embed images")
         raise NotFound("no served model can embed images", param="model")
@@ -566,4 +566,4 @@ def is_ready(state) -> bool:
     """Every model loaded and warmed up, the device worker alive, not draining."""
     batcher = state.batcher
     return bool(state.ready and not state.draining and batcher is not None and batcher.alive
-                and all(m.ready for m in state.models.values()))
+                and all(m.ready for m in list(state.models.values())))

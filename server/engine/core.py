@@ -78,7 +78,9 @@ class Engine:
         self.batcher = batcher if batcher is not None else Batcher(settings.device, metrics,
                                                                   workers=settings.concurrent_batches)
         self.say = say or log.info
-        self.models: dict[str, ServedModel] = {}  # what serves now: every door reads this map
+        # What serves now: every door reads this map. A load or unload changes a key from its own
+        # thread, so a reader takes list(models.values()) before a loop that runs Python code.
+        self.models: dict[str, ServedModel] = {}
         self.status: dict[str, ModelStatus] = {}
         # Each door's checkpoint maker (Door.checkpoint): a swap waits for the requests it admitted.
         self.checkpoints: list[Callable[[], Callable[[], bool]]] = []

@@ -1,7 +1,10 @@
-"""``create_app(settings)``: load models, build backends, warm up every batch shape, then ready.
+"""``create_app(settings)``: the HTTP door. Its lifespan has the engine (server.engine) load and
+warm the models, then reports ready; model control (server.engine.control) may change them while
+it serves.
 
-Shared objects live on ``app.state``: settings, metrics, batcher, models, service, ready,
-draining. Routes are thin; errors go through one handler; every request is timed.
+Shared objects live on ``app.state``: settings, metrics, engine, control, models (the engine's
+map of what serves), batcher, service, door, ready, draining. Routes are thin; errors go through
+one handler; every request is timed and admitted at the door (server.api.door).
 """
 
 from __future__ import annotations
@@ -318,7 +321,7 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:
-        for m in app.state.models.values():
+        for m in list(app.state.models.values()):
             for q in m.queues.values():
                 q._gauge()
         batcher = app.state.batcher

@@ -1,7 +1,8 @@
 """The local job engine of ``softmoe eval`` and ``softmoe embed``: samples are read in order, decoded
 and preprocessed in a process pool (the server's own probe, budgets, decoder and preprocessing:
-``server.pipeline.prepare``), then run through the server's own model loading, start-up proofs and
-deterministic batcher (``JobModel``), and handed in order to a sink (Parquet shards, or metrics).
+``server.pipeline.prepare``), then run through the server's engine (server.engine: its model
+loading, start-up proofs and deterministic batcher; ``JobModel``), and handed in order to a sink
+(Parquet shards, or metrics). No network door is involved.
 
 Bounded: at most ``window`` chunks of ``max_batch_size`` samples are between the reader and the
 sink at any time, whatever the dataset's size; each image's bytes, pixels and decode time are
@@ -245,10 +246,9 @@ class DecodePool:
     retried one entry at a time in a fresh pool, so only the entry that kills a decoder fails.
 
     The processes run at the lowest priority (nice 19): the backend's intra-op threads spin between
-    the parallel steps of a batch, and a decode process that preempts one stalls the whole step.
-    soft-s16-e128 on 2 cores, 640x480 JPEGs: 359 ms a batch of 8 inside the job at nice 10, 318 ms at
-    19, 304 ms with no decoding beside it. Decoding still gets every idle cycle, so a light model,
-    where decoding is the work, loses nothing."""
+    the parallel steps of a batch, and a decode process that preempts one stalls the whole step
+    (docs/benchmarks.md, the embed section, has the measurement at nice 10 and 19). Decoding still
+    gets every idle cycle, so a light model, where decoding is the work, loses nothing."""
 
     def __init__(self, settings: Settings, workers: int | None = None) -> None:
         """Starts the processes at once (they import the decoder while the model loads); ``use``

@@ -1,5 +1,6 @@
-"""The engine process of ``--frontend-workers N``: the one Batcher and the backends of a device,
-fed by N front-end processes through shared memory. Knows nothing about HTTP.
+"""The engine process of ``--frontend-workers N``: the engine (server.engine: the one Batcher and
+the backends of a device), fed by N front-end processes through shared memory. Knows nothing
+about HTTP.
 
 Process layout (``Supervisor``, run by ``server.run.serve``; spawn context, each child in its own
 process group so a terminal's Ctrl-C reaches only the parent, which coordinates the shutdown)::

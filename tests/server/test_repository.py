@@ -352,3 +352,45 @@ def test_control_settings_are_checked_at_start(tmp_path):
         model_specs(Settings(model_repository=str(tmp_path), model_control_mode="explicit", load_model=["x"]))
     with pytest.raises(StartupError, match="not a folder"):
         model_specs(Settings(model_repository=str(tmp_path / "none")))
+
+
+def test_an_unload_waits_for_the_requests_the_model_admitted(tmp_path):
+    from fastapi.testclient import TestClient
+
+    repo = tmp_path / "models"
+    repo.mkdir()
+    shutil.copytree(DIGITS, repo / "a")
+    settings = Settings(model_repository=str(repo), model_control_mode="explicit", load_model=["a"],
+                        backend="torch", cache_dir=str(tmp_path / "cache"), grpc_port=0)
+    app = create_app(settings)
+    with TestClient(app) as client:
+        engine = app.state.engine
+        model = engine.models["a"]
+        gate, held = threading.Event(), threading.Event()
+
+        def hold(queue, items):
+            if queue.label == "a":
+                held.set()
+                gate.wait(30)
+
+        engine.batcher.before_call = hold
+        answers = {}
+        inflight = threading.Thread(target=lambda: answers.update(infer=client.post("/v2/models/a/infer", json=INFER)))
+        inflight.start()
+        assert held.wait(30)
+        unloading = threading.Thread(target=lambda: answers.update(unload=client.post("/v2/repository/models/a/unload")))
+        unloading.start()
+        deadline = time.monotonic() + 10
+        while engine.status["a"].state != "UNLOADING":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert unloading.is_alive() and "unload" not in answers  # it waits for the admitted request
+        r = client.post("/v2/models/a/infer", json=INFER)  # a new request no longer reaches the model
+        assert r.status_code == 404 and "not loaded (UNLOADING)" in r.json()["error"]
+        gate.set()
+        inflight.join(30)
+        unloading.join(30)
+        assert answers["infer"].status_code == 200 and answers["unload"].status_code == 200
+        assert engine.status["a"].state == "UNAVAILABLE" and "a" not in engine.models
+        assert not [q for q in engine.batcher.queues if q.label == "a"] and not model.queues

@@ -70,5 +70,5 @@ async def list_models(request: Request):
     data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "softmoe-serve", "kind": m.kind,
              "ready": m.ready, "backend": m.backend.describe(), "source": m.source,
              "batching": batching_parameters(m, request.app.state.settings)}
-            for m in request.app.state.models.values()]
+            for m in list(request.app.state.models.values())]
     return JSONResponse({"object": "list", "data": data})
