@@ -86,7 +86,7 @@ class Package:
             raise PackageError(f"{path}: cannot read the routing profile ({e})") from None
         if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
             raise PackageError(f"{path}: sha256 differs from config.json's routing_profile entry (edited or stale; "
-                               "recompute it with `python -m softmoe_models.routing profile`)")
+                               "recompute it with `python -m softmoe_models.routing_cli profile`)")
         return json.loads(data)
 
 

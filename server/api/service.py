@@ -18,6 +18,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from softmoe_models import routing as routing_lib
+from softmoe_models import routing_png
 from softmoe_models.preprocess import to_pixel_values
 
 from server import context
@@ -509,7 +510,7 @@ class Service:
         if fmt == "png" and not soft:
             raise Unprocessable(f"model {model.name!r} routes sparsely ({layout.router}); the PNG draws Soft MoE "
                                 "slots: ask for format json (combine weights per token and expert)", param="format")
-        if fmt == "png" and routing_lib.sheet_pixels(layout, len(blobs), drawn, slots) > PNG_MAX_PIXELS:
+        if fmt == "png" and routing_png.sheet_pixels(layout, len(blobs), drawn, slots) > PNG_MAX_PIXELS:
             raise Unprocessable(f"a PNG of {len(blobs)} images x {drawn} layers x {slots} slots exceeds "
                                 f"{PNG_MAX_PIXELS} pixels; ask for fewer images, layers or slots", param="images")
         with self.reserve(model, ROUTING, len(blobs)) as held:
@@ -525,7 +526,7 @@ class Service:
 
             def render() -> bytes:
                 pixels = [to_pixel_values(r[PIXELS], cfg) if PIXELS in r else r["pixel_values"] for r in rows]
-                return routing_lib.render_png(layout, pixels, outputs, cfg.value_range, layers, slots, captions)
+                return routing_png.render_png(layout, pixels, outputs, cfg.value_range, layers, slots, captions)
 
             body = await asyncio.to_thread(render)
         else:

@@ -7,7 +7,7 @@ One row per digit and Soft MoE layer: the digit (8x8, enlarged), then its most f
 each panel the digit with that slot's dispatch weights over the 4x4 patch grid (a slot's weights
 sum to 1 over the 16 patches; the tint is stretched between its smallest and largest weight, the
 largest printed in the title). The same picture as ``POST /v1/routing?format=png``, drawn by
-``softmoe_models.routing`` from the torch model's own routing.
+``softmoe_models.routing_png`` from the torch model's own routing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from ..package import load_model
-from ..routing import layout_for, render_png, routing_of
+from ..routing import layout_for, routing_of
+from ..routing_png import render_png
 from .data import LABELS, load_splits
 
 SHIPPED_DIGITS = Path(__file__).resolve().parents[2] / "server" / "default_models" / "digits"

@@ -177,7 +177,7 @@ def train_demo(out: str | Path, seed: int = 0, epochs: int = 100, lit_steps: int
     _record(lit_pkg, {"heldout_zero_shot_top1": serving, "heldout_zero_shot_top1_label_only": zs,
                       "heldout_zero_shot_top1_unseen_templates": unseen})
     log(f"digits-lit: held-out zero-shot top-1 {serving:.4f} (serving templates), {unseen:.4f} (unseen templates)")
-    for pkg in (digits, lit_pkg):  # the drift reference, as `python -m softmoe_models.routing profile PKG`
+    for pkg in (digits, lit_pkg):  # the drift reference, as `python -m softmoe_models.routing_cli profile PKG`
         _profile(pkg)
     return digits, lit_pkg
 

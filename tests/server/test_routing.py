@@ -262,7 +262,7 @@ def test_shipped_profile_is_what_the_package_hash_covers():
 
 
 def test_shipped_profile_is_reproducible():
-    """``python -m softmoe_models.routing profile server/default_models/digits`` gives the shipped
+    """``python -m softmoe_models.routing_cli profile server/default_models/digits`` gives the shipped
     file's statistics on any x86-64 CPU, within ``PROFILE_RTOL``/``PROFILE_ATOL``."""
     from softmoe_models.routing import calibration_pixels
 

@@ -151,7 +151,7 @@ def test_drops_are_counted_and_png_is_refused(url):
 
 
 def test_a_reference_profile_and_drift_work_for_sparse_models(sparse_packages):
-    """`python -m softmoe_models.routing profile` on a sparse package: a profile the server accepts for
+    """`python -m softmoe_models.routing_cli profile` on a sparse package: a profile the server accepts for
     its layout, and a window of the calibration images themselves drifts by sampling noise only."""
     from softmoe_models import routing
     from softmoe_models.package import load_model
