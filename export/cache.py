@@ -17,10 +17,9 @@ writes the manifest (every file's name, size, sha256), fsyncs, and publishes by 
 the directory: readers see the whole entry or none of it.
 
 Every lookup hashes every file in full: a stamp of (size, mtime, inode) would skip the read but
-trusts a disk we cannot vouch for. sha256 runs at 1.8 GB/s on one core here (hashlib, OpenSSL
-with SHA-NI; 1.55 GB/s reading 1 MiB chunks from the page cache), so a 3.7 GB entry costs about
-2.4 s of start-up (plus the disk read when cold, which the runtime's load then gets from the page
-cache), next to the tens of seconds ONNX Runtime or TensorRT take to load the same bytes.
+trusts a disk we cannot vouch for. Hashing is a small part of a start-up next to ONNX Runtime's
+or TensorRT's load of the same bytes, and a cold disk read it does is one that load then finds in
+the page cache (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations

@@ -41,9 +41,9 @@ def session_options(threads: int | None = None, spin: str = "off"):
     - ``run``: workers spin between the parallel steps of one ``run`` and stop spinning when it
       returns (``session.force_spinning_stop``), so an idle server still sleeps. A Soft MoE layer
       is hundreds of small per-expert MatMuls, each a parallel step whose worker would otherwise
-      be woken from sleep: soft-s16-e128 on 2 threads runs 1.07x faster at batch 8 and 1.08-1.22x
-      at batch 1 (loadtests/spin_bench.py). Outputs are bitwise those of ``off``: the work is split
-      the same.
+      be woken from sleep, so a call runs faster at every batch size (loadtests/spin_bench.py
+      measures it; docs/benchmarks.md has the figures). Outputs are bitwise those of ``off``: the
+      work is split the same.
     """
     import onnxruntime as ort
 

@@ -9,7 +9,7 @@ object with every ratio):
   decode     decode+preprocess of 640x480 JPEGs to 224x224 with and without JPEG draft mode.
   zeroshot   /v1/zero-shot on the default digits-lit model with the label-embedding cache vs without.
   serving    A paper-shaped Soft MoE (soft-s16-e128, 224x224, 922M params) behind `softmoe serve`
-             (its default backend), in pairs of servers alive together (two fit in 23 GB): dynamic
+             (its default backend), in pairs of servers alive together (two fit in memory): dynamic
              batching vs max batch size 1; end-to-end /v1/classify with real 640x480 JPEGs vs the
              raw backend at the same batch; strict determinism (smallest proven padded shape) vs
              loose at saturation and at concurrency 1; strict with full padding vs loose at
@@ -178,7 +178,7 @@ def section_layers(mode: str) -> dict[str, float]:
 
 def section_serving(mode: str, workdir: Path) -> dict[str, float]:
     """Four comparisons, each between two servers alive together (a third soft-s16-e128 server
-    does not fit in 23 GB beside the raw backend): strict vs max batch 1; end to end vs the raw
+    does not fit in memory beside the raw backend): strict vs max batch 1; end to end vs the raw
     backend; strict vs loose at saturation and at concurrency 1; strict with full padding vs loose
     at concurrency 1."""
     from server.engine.defaults import SHIPPED

@@ -44,8 +44,8 @@ def pick(mode: str, full, quick, smoke):
 def serve_many(specs: dict[str, list[str]], parallel: bool = True) -> dict[str, ServerProcess]:
     """`softmoe serve` with each flag list (loadtests.run's child process on a free loopback port),
     returned when every one is ready. ``parallel``: all started at once (small models); else one
-    after the other, each ready before the next starts (a soft-s16-e128 server peaks at ~11 GB
-    while it loads, ~7.5 GB after)."""
+    after the other, each ready before the next starts (a heavy server's memory peaks while it
+    loads, above what it holds after; docs/benchmarks.md has soft-s16-e128's)."""
     servers: dict[str, ServerProcess] = {}
     try:
         for name, args in specs.items():

@@ -68,7 +68,7 @@ def frozen(servers):
     stopped (SIGSTOP) inside the block, continued after it.
 
     Servers alive side by side are not idle alike: LitServe's idle API server and worker poll
-    their queues (10-20% of a core here), Ray's daemons heartbeat, ours sleep. Measuring one
+    their queues, Ray's daemons heartbeat, ours sleep (docs/benchmarks.md, the peers). Measuring one
     server while the others are frozen keeps their idle cost out of its window."""
     pids = [p for s in servers if s.proc.poll() is None for p in descendants(s.proc.pid)]
     stopped = []

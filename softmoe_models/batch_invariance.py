@@ -30,10 +30,10 @@ def set_batch_invariant(model: nn.Module, on: bool = True) -> nn.Module:
       dropped: the Soft MoE expert GEMMs (B * slots rows) and every ``nn.Linear`` whose input has
       fewer rows (the heads, on B rows).
 
-    A batch of one then costs about 1.3x its unpadded time (soft-s16-e128 on 2 cores: 305 vs
-    234 ms; batches of 4 and more: the same in both forms), against 1.8x for running it at the
-    smallest shape the stock forms prove (4: 425 ms). Off (the default, and what exports carry):
-    the convolution and GEMMs as they come.
+    A batch of one then costs more than its unpadded time (its GEMMs run padded rows; batches of
+    ``MIN_GEMM_ROWS`` and more cost the same in both forms), but less than running it at the
+    smallest shape the stock forms prove (docs/benchmarks.md has the figures). Off (the default,
+    and what exports carry): the convolution and GEMMs as they come.
     """
     for module in model.modules():
         if isinstance(module, SoftMoE):
