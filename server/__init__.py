@@ -1,6 +1,7 @@
 """softmoe-serve: the serving stack, in layers (each imports only those above it in this list).
 
 - ``settings``, ``errors``, ``metrics``, ``context``: what every layer shares.
+- ``observability/``: log lines (text or JSON) and OpenTelemetry traces, for every process and door.
 - ``backends/``, ``pipeline/``, ``batching/``: run a model function, decode and preprocess an image,
   batch items onto a device.
 - ``engine/``: the one owner of a model's life: a package becomes a served model (backend, proofs,

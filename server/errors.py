@@ -33,6 +33,16 @@ class NotFound(ServiceError):
     status, type = 404, "not_found"
 
 
+class Unauthorized(ServiceError):
+    """No API key, or not one the server accepts (``--api-key``): 401 with a Bearer challenge, gRPC
+    UNAUTHENTICATED."""
+
+    status, type = 401, "unauthorized"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="softmoe-serve"'})
+
+
 class ClosesConnection(ServiceError):
     """An error after which the rest of the client's request is not read: the connection closes."""
 

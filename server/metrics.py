@@ -132,6 +132,12 @@ class Metrics:
             "softmoe_model_load_duration_seconds", "Time to load a model: package, backend, export or cache, "
             "proofs and warm-up, until it takes traffic", ["model"], buckets=LOAD_BUCKETS, registry=r,
         )
+        # --otlp-endpoint: spans handed to the OTLP exporter, by outcome (both 0 with tracing off).
+        self.trace_spans_exported = Counter(
+            "softmoe_trace_spans_exported_total", "Trace spans the OTLP exporter delivered", registry=r)
+        self.trace_export_failures = Counter(
+            "softmoe_trace_export_failures_total", "Trace spans the OTLP exporter could not deliver (the collector "
+            "refused them or could not be reached after the exporter's retries)", registry=r)
         for reason in REJECT_REASONS:
             self.rejected.labels(DOOR, reason)
 

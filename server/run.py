@@ -36,6 +36,7 @@ from types import FrameType
 import uvicorn
 
 from server.http.app import create_app
+from server.observability import logs
 from server.settings import Settings
 from server.engine.startup import StartupError, check_backend, describe, load_models
 
@@ -129,7 +130,8 @@ async def _start_grpc(app, grace: float, reuse_port: bool = False):
 
 def _server(app, settings: Settings) -> DrainingServer:
     # lifespan="off": _serve enters the app's lifespan itself, before uvicorn starts.
-    config = uvicorn.Config(app, lifespan="off", **uvicorn_options(settings, app.state.metrics))
+    config = uvicorn.Config(app, lifespan="off", **uvicorn_options(settings, app.state.metrics),
+                            **logs.uvicorn_log_config(settings.log_format))
     return DrainingServer(config, settings.drain_seconds)
 
 
@@ -168,8 +170,12 @@ def serve(settings: Settings) -> None:
     if settings.log_level.lower() not in levels:
         raise StartupError(f"--log-level {settings.log_level}: expected one of {', '.join(levels)}")
     # The server's log goes to stdout; stderr carries only a start-up failure's one `error:` line.
-    logging.basicConfig(level=uvicorn.config.LOG_LEVELS[settings.log_level.lower()], stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(uvicorn.config.LOG_LEVELS[settings.log_level.lower()], settings.log_format)
+    try:
+        check_operations(settings)
+    except StartupError as e:
+        log.error("%s", e)  # the log pipeline sees it too; cli prints the `error:` line
+        raise
     sock = bind_socket(settings.host, settings.port)
     if settings.grpc_port:  # taken now, as --port is, so a busy port fails before the models load
         try:
@@ -186,6 +192,24 @@ def serve(settings: Settings) -> None:
             run_on_uvicorns_loop(_serve(_prepare(settings), sock))
     finally:
         sock.close()
+
+
+def check_operations(settings: Settings) -> None:
+    """The keys file readable and holding a key, the OTLP endpoint a URL, before anything binds.
+
+    Raises:
+        StartupError: naming the flag.
+    """
+    from server.api.keys import KeyFileError, Keys
+
+    try:
+        Keys(settings)
+    except KeyFileError as e:
+        raise StartupError(str(e)) from None
+    url = settings.otlp_endpoint
+    if url and not url.startswith(("http://", "https://")):
+        raise StartupError(f"--otlp-endpoint {url[:200]}: expected an http:// or https:// URL (OTLP over HTTP; "
+                           "the spans go to URL/v1/traces)")
 
 
 def run_on_uvicorns_loop(coro) -> None:
@@ -231,7 +255,7 @@ def _frontend_main(settings: Settings, index: int, sock: socket.socket, path: st
 
     from server.workers.process import child_setup, tell
 
-    child_setup(settings.log_level, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    child_setup(settings.log_level, lambda: os.kill(os.getpid(), signal.SIGTERM), settings.log_format)
     try:
         run_on_uvicorns_loop(_serve_frontend(settings, index, sock, path, token, lock, metrics_dir, report))
     except StartupError as e:

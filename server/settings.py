@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from softmoe_models.config import Precision
@@ -216,6 +216,33 @@ class Settings(BaseSettings):
         "does everything",
     )
     log_level: str = Field("info", description="uvicorn log level")
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="json: every line of every process (uvicorn's, the engine's, the front ends') is one JSON "
+        "object (timestamp, level, logger, message), and each request gets a line with its method, path or "
+        "RPC, status, duration, request id, model and trace id",
+    )
+    api_key: SecretStr = Field(
+        SecretStr(""),
+        description="a key every inference, metadata and control request must send as 'Authorization: Bearer "
+        "KEY' (HTTP and gRPC; 401 / UNAUTHENTICATED without it); health, readiness and /metrics stay open. "
+        "Never logged; prefer --api-key-file or the environment over a flag (a flag shows in the process list)",
+    )
+    api_key_file: str = Field(
+        "", description="a file of keys, one a line (blank lines and # comments skipped), any of them accepted "
+        "beside --api-key; reread when it changes, for rotation",
+    )
+    otlp_endpoint: str = Field(
+        "",
+        description="OpenTelemetry traces over OTLP/HTTP (protobuf) to URL/v1/traces: a server span per request "
+        "and a span per stage; the OTEL_* variables (OTEL_SERVICE_NAME, OTEL_TRACES_SAMPLER...) are honoured. "
+        "Empty: no tracing, at no cost",
+    )
+    trace_sample_ratio: float = Field(
+        0.1, ge=0, le=1,
+        description="--otlp-endpoint: the share of requests without a sampled W3C traceparent that start a "
+        "trace (a sampled traceparent is always continued); OTEL_TRACES_SAMPLER, where set, replaces this",
+    )
 
     @model_validator(mode="after")
     def _check_control(self):

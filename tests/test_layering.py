@@ -84,6 +84,7 @@ def upward_imports(source: str, module: str, where: str, is_package: bool = Fals
 # server's own layers, bottom up: a module's part is its first name under server (a package or a module).
 SERVER_RANKS = (
     ("settings", "errors", "metrics", "context"),
+    ("observability",),  # log lines and traces: read settings, metrics and context; every process and door uses them
     ("backends",),
     ("pipeline", "batching"),
     ("engine",),

@@ -241,11 +241,19 @@ class Service:
         deadline = context.deadline.get()
         max_pixels = self.settings.max_image_pixels
 
+        records = context.stages.get()  # a traced request: each image's decode start, for its spans
+
         def work(data: bytes, info: ImageInfo, i: int) -> tuple[dict[str, np.ndarray], float, float]:
             try:
-                return prepare_image(data, cfg, uint8=uint8, max_pixels=max_pixels, info=info, deadline=deadline,
-                                     jpeg_decoder=self.gpu_jpeg and self.gpu_jpeg.decode,
-                                     on_fallback=self.metrics.gpu_decode_fallbacks.inc)
+                began = time.perf_counter() if records is not None else 0.0
+                out = prepare_image(data, cfg, uint8=uint8, max_pixels=max_pixels, info=info, deadline=deadline,
+                                    jpeg_decoder=self.gpu_jpeg and self.gpu_jpeg.decode,
+                                    on_fallback=self.metrics.gpu_decode_fallbacks.inc)
+                if records is not None:
+                    _, d, p = out
+                    records.append(("decode", model.name, began, began + d, None))
+                    records.append(("preprocess", model.name, began + d, began + d + p, None))
+                return out
             except ServiceError as e:
                 e.param = e.param or f"{param}[{i}]"
                 raise
@@ -330,6 +338,14 @@ class Service:
             model.routing.record([r.outputs for r in results])
         timings.add("queue", [r.timings["queue"] for r in results])
         timings.add("inference", [r.timings["inference"] for r in results])
+        records = context.stages.get()
+        if records is not None:  # a traced request: its spans (server.observability.tracing)
+            for r in results:
+                t, batch = r.timings, (r.timings.get("batch_id"), r.timings.get("batch_size"))
+                if "started" not in t:
+                    continue
+                records.append(("queue", model.name, t["started"] - t["queue"], t["started"], batch))
+                records.append(("inference", model.name, t["started"], t["started"] + t["inference"], batch))
         for r in results:
             self.metrics.image_latency.labels(model.name, "queue").observe(r.timings["queue"])
             self.metrics.image_latency.labels(model.name, "inference").observe(r.timings["inference"])
@@ -337,6 +353,9 @@ class Service:
 
     def finish(self, model: ServedModel, endpoint: str, timings: Timings, t_post: float, t_start: float) -> None:
         post = time.perf_counter() - t_post
+        records = context.stages.get()
+        if records is not None:
+            records.append(("postprocess", model.name, t_post, t_post + post, None))
         total = time.perf_counter() - t_start
         n = max(1, len(timings.items))
         timings.add("postprocess", [post] * n)

@@ -57,6 +57,7 @@ later for room that others took meanwhile.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -88,7 +89,9 @@ class Item:
 @dataclass
 class Result:
     outputs: Rows
-    timings: dict[str, float]  # seconds: queue, inference
+    # seconds: queue, inference; started (the call's perf_counter start), batch_id (the backend call's
+    # number in this batcher) and batch_size (its real items), which traces use
+    timings: dict[str, float]
 
 
 class ModelQueue:
@@ -159,6 +162,7 @@ class Batcher:
         self._threads = [threading.Thread(target=self._run, name=f"softmoe-worker-{device}-{i}", daemon=True)
                          for i in range(workers)]
         self.calls = 0
+        self._batch_ids = itertools.count(1)  # the backend calls' numbers (next() is atomic under the GIL)
         self._free_at = 0.0  # when a worker last finished a call
         self._running = 0  # calls in progress
         self._alone = False  # a call that runs alone is running or waiting for the others to end
@@ -413,8 +417,10 @@ class Batcher:
                     self._call(queue, part)
             return
         elapsed = time.perf_counter() - start
+        batch = next(self._batch_ids)
         for item, result in zip(items, results):
-            result.timings.update(queue=start - item.enqueued, inference=elapsed)
+            result.timings.update(queue=start - item.enqueued, inference=elapsed, started=start, batch_id=batch,
+                                  batch_size=len(items))
             self._resolve(item, result)
 
     def _infer(self, queue: ModelQueue, items: list[Item]) -> Rows:

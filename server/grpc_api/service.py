@@ -15,7 +15,10 @@ what an HTTP request goes through, in the same order:
 - its tensors are checked by the protocol code HTTP uses too (server.api.oip) and run through the
   model's queues row by row, so a result is bitwise what HTTP gives;
 - request ids come from ``x-request-id`` metadata or are made, and go back in the initial
-  metadata; per-stage times (``x-inference-time`` ...) and ``retry-after`` in the trailing metadata.
+  metadata; per-stage times (``x-inference-time`` ...) and ``retry-after`` in the trailing metadata;
+- with ``--api-key``, every RPC but ServerLive and ServerReady (and grpc.health.v1) needs
+  ``authorization: Bearer KEY`` metadata (UNAUTHENTICATED without it); a ``traceparent`` in the
+  metadata is continued when tracing is on; with ``--log-format json`` each call gets a line.
 
 Errors map from the HTTP status of the same refusal: 400/413/415/422 INVALID_ARGUMENT (the
 message names the field, as over HTTP), 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE,
@@ -46,9 +49,11 @@ from softmoe_models import __version__
 from server import context
 from server.errors import BadRequest, ModelLoadError, RequestTimeout, ServiceError, Unavailable
 from server.api import oip
+from server.api.keys import Keys
 from server.api.service import Timings, is_ready
 
 log = logging.getLogger("softmoe.grpc")
+access = logging.getLogger("softmoe.access")
 
 SERVICE = "inference.GRPCInferenceService"
 ENDPOINT = "grpc_infer"  # the images counter's endpoint label of gRPC ModelInfer (HTTP's: oip_infer)
@@ -62,7 +67,9 @@ CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.INVALID_ARG
          415: grpc.StatusCode.INVALID_ARGUMENT, 422: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
          408: grpc.StatusCode.DEADLINE_EXCEEDED, 504: grpc.StatusCode.DEADLINE_EXCEEDED,
-         499: grpc.StatusCode.CANCELLED, 409: grpc.StatusCode.FAILED_PRECONDITION}
+         499: grpc.StatusCode.CANCELLED, 409: grpc.StatusCode.FAILED_PRECONDITION,
+         401: grpc.StatusCode.UNAUTHENTICATED}
+OPEN = ("ServerLive", "ServerReady")  # the probes' RPCs: no API key needed (grpc.health.v1 neither)
 # Typed contents per datatype, for clients that send InferTensorContents instead of raw bytes.
 CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT8": "int_contents", "INT16": "int_contents",
             "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
@@ -91,6 +98,10 @@ class Call:
     def __init__(self, app, method: str) -> None:
         self.app, self.method = app, method
         self.state, self.settings, self.metrics = app.state, app.state.settings, app.state.metrics
+        self.keys: Keys = app.state.keys
+        self.keyed = self.keys.enabled and method.rpartition("/")[2] not in OPEN
+        self.tracing = app.state.tracing
+        self.access_log = self.settings.log_format == "json"
 
     def deadline(self, ctx: aio.ServicerContext, start: float) -> float:
         left = ctx.time_remaining()
@@ -98,12 +109,21 @@ class Call:
 
     async def __call__(self, handler, request, ctx: aio.ServicerContext):
         start = time.perf_counter()
-        given = dict(ctx.invocation_metadata() or ()).get("x-request-id", "")[:128]
+        metadata = dict(ctx.invocation_metadata() or ())
+        given = metadata.get("x-request-id", "")[:128]
         rid = given if given and given.isprintable() else secrets.token_hex(16)
         tokens = context.request_id.set(rid), context.deadline.set(self.deadline(ctx, start))
+        span = records = None
+        if self.tracing is not None:
+            span = self.tracing.begin(self.method, metadata.get("traceparent"), metadata.get("tracestate"), start, {})
+            if span.is_recording():
+                records = []
+                tokens += (context.stages.set(records),)
         await ctx.send_initial_metadata((("x-request-id", rid),))
         failure, status, model = None, 200, "none"
         try:
+            if self.keyed and not self.keys.accepts(auth := metadata.get("authorization")):
+                raise Keys.refusal(auth)
             response, model, trailing = await handler(request, ctx)
             ctx.set_trailing_metadata(tuple(trailing.items()))
             return response
@@ -118,13 +138,31 @@ class Call:
         finally:
             context.request_id.reset(tokens[0])
             context.deadline.reset(tokens[1])
+            if records is not None:
+                context.stages.reset(tokens[2])
+            end = time.perf_counter()
             self.metrics.responses.labels(str(status)).inc()
-            self.metrics.request_duration.labels(model, self.method, f"{status // 100}xx").observe(
-                time.perf_counter() - start)
+            self.metrics.request_duration.labels(model, self.method, f"{status // 100}xx").observe(end - start)
+            self._done(span, records, rid, model, status, start, end)
         self.metrics.errors.labels(failure.type).inc()
         retry = failure.headers.get("Retry-After")
         ctx.set_trailing_metadata((("retry-after", retry),) if retry else ())
         await ctx.abort(CODES.get(failure.status, grpc.StatusCode.INTERNAL), failure.message)
+
+
+    def _done(self, span, records, rid: str, model: str, status: int, start: float, end: float) -> None:
+        """The call's spans (when traced) and its line (``--log-format json``)."""
+        trace_id = None
+        if records is not None:
+            trace_id = self.tracing.trace_id(span)
+            code = CODES.get(status, grpc.StatusCode.INTERNAL) if status != 200 else grpc.StatusCode.OK
+            self.tracing.finish(span, records, end, {
+                "rpc.system": "grpc", "rpc.method": self.method, "rpc.grpc.status_code": code.value[0],
+                "softmoe.request_id": rid, "softmoe.model": model}, error=status >= 500)
+        if self.access_log:
+            access.info("%s %d", self.method, status, extra={
+                "rpc": self.method, "status": status, "duration_ms": round((end - start) * 1e3, 3),
+                "request_id": rid, "model": model, "trace_id": trace_id})
 
 
 def _parse(cls, raw: bytes):

@@ -28,8 +28,10 @@ from softmoe_models import __version__
 
 from server import context
 from server.errors import BadRequest, PayloadTooLarge, QueueFull, RequestTimeout, ServiceError, Unavailable
+from server.observability import tracing as traces
 from server.metrics import DOOR, Metrics
 from server.api.door import CONTROL, Door, new_request_id
+from server.api.keys import Keys
 from server.engine.control import ModelControl
 from server.engine.core import Engine
 from server.engine.models import ServedModel
@@ -38,6 +40,7 @@ from server.api.service import Service, is_ready
 from server.settings import Settings
 
 log = logging.getLogger("softmoe.server")
+access = logging.getLogger("softmoe.access")  # one line a request, with --log-format json
 
 
 def _error(exc: ServiceError, path: str = "", metrics: Metrics | None = None) -> JSONResponse:
@@ -62,9 +65,10 @@ def _body(body: dict, path: str) -> dict:
 
 ERROR_TYPES = ("invalid_request", "not_found", "payload_too_large", "unsupported_media_type", "overloaded",
                "unavailable", "deadline_exceeded", "client_disconnected", "internal_error", "inference_failed",
-               "http_error", "request_timeout", "headers_too_large", "response_timeout")
-STATUSES = (200, 400, 404, 405, 408, 413, 415, 422, 429, 431, 499, 500, 503, 504)
+               "http_error", "request_timeout", "headers_too_large", "response_timeout", "unauthorized")
+STATUSES = (200, 400, 401, 404, 405, 408, 413, 415, 422, 429, 431, 499, 500, 503, 504)
 EXEMPT = ("/v2/health", "/metrics")
+KEYED = ("/v1", "/v2")  # with --api-key: every path under these but EXEMPT needs a key; the page and docs do not
 BODY_GRACE_S = 2.0  # a body starts late by this much before --min-body-rate counts
 
 
@@ -86,11 +90,20 @@ class Observe:
     body already held is taken whatever the clock says (``_receive_within``). A slower one gets 408
     and the connection is closed, which frees its place and its bytes (request heads are bounded in
     server.http.connection).
+
+    API keys (server.api.keys) are checked first, before admission: 401 with a Bearer challenge.
+    With tracing on (server.observability.tracing) the request's server span begins here, from its
+    ``traceparent``, and a sampled request's stage spans are built here once it is answered; with
+    ``--log-format json`` its line (method, path, status, duration, request id, model, trace id)
+    is written here too.
     """
 
     def __init__(self, app: ASGIApp, state, metrics: Metrics, settings: Settings) -> None:
         self.app, self.state, self.metrics, self.settings = app, state, metrics, settings
         self.door: Door = state.door
+        self.keys: Keys = state.keys
+        self.tracing: traces.Tracing | None = state.tracing
+        self.access_log = settings.log_format == "json"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -104,6 +117,14 @@ class Observe:
                   context.deadline.set(start + self.settings.request_timeout_s))
         seen: dict[str, object] = {"status": 500, "model": "none", "started": False}
         settings, metrics = self.settings, self.metrics
+        span = records = None
+        if self.tracing is not None and not path.startswith(EXEMPT):
+            tp, ts = headers.get(b"traceparent"), headers.get(b"tracestate")
+            span = self.tracing.begin(f"{scope.get('method', 'GET')} {path}", tp and tp.decode("latin-1"),
+                                      ts and ts.decode("latin-1"), start, {})
+            if span.is_recording():
+                records = []
+                tokens += (context.stages.set(records),)
 
         async def send_wrapper(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -127,6 +148,9 @@ class Observe:
         try:
             if exempt:
                 admitted = True
+            elif self.keys.enabled and path.startswith(KEYED) and not self.keys.accepts(
+                    auth := headers.get(b"authorization")):
+                await refuse(Keys.refusal(auth))
             elif self.state.draining:
                 await refuse(Unavailable("the server is shutting down", retry_after_s=5), "draining")
             elif declared == -1:
@@ -204,13 +228,29 @@ class Observe:
                 self.door.leave(epoch)
             context.request_id.reset(tokens[0])
             context.deadline.reset(tokens[1])
+            if records is not None:
+                context.stages.reset(tokens[2])
         if not exempt:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             status = int(seen["status"])  # type: ignore[arg-type]
             metrics.responses.labels(str(status)).inc()
-            metrics.request_duration.labels(seen["model"], endpoint, f"{status // 100}xx").observe(
-                time.perf_counter() - start)
+            end = time.perf_counter()
+            metrics.request_duration.labels(seen["model"], endpoint, f"{status // 100}xx").observe(end - start)
+            trace_id = None
+            if records is not None:
+                trace_id = self.tracing.trace_id(span)
+                method = scope.get("method", "GET")
+                span.update_name(f"{method} {endpoint}")
+                self.tracing.finish(span, records, end, {
+                    "http.request.method": method, "url.path": path, "http.route": endpoint,
+                    "http.response.status_code": status, "softmoe.request_id": request_id,
+                    "softmoe.model": str(seen["model"])}, error=status >= 500)
+            if self.access_log:
+                access.info("%s %s %d", scope.get("method"), path, status, extra={
+                    "method": scope.get("method"), "path": path, "status": status,
+                    "duration_ms": round((end - start) * 1e3, 3), "request_id": request_id,
+                    "model": seen["model"], "trace_id": trace_id})
 
 
 async def _receive_within(receive: Receive, seconds: float) -> Message:
@@ -301,6 +341,8 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
             engine.batcher.stop()
             state.service.close()
             await asyncio.to_thread(engine.close)
+            if state.tracing is not None:
+                await asyncio.to_thread(state.tracing.close)
 
     app = FastAPI(title="softmoe-serve", version=__version__, lifespan=lifespan,
                   description="Soft MoE ViT and LiT two-tower inference: classify, embed, zero-shot, OpenAI "
@@ -309,6 +351,8 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     app.state.ready, app.state.draining = False, False
     app.state.models, app.state.batcher = {}, None
     app.state.door = Door(settings, metrics)
+    app.state.keys = Keys(settings)
+    app.state.tracing = traces.from_settings(settings, metrics)
     metrics.init_errors(ERROR_TYPES, STATUSES)
 
     from server.http.routes import oip, openai, page, routing, v1

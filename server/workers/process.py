@@ -366,17 +366,17 @@ def tell(report, message: tuple) -> None:
         report.send(message)
 
 
-def child_setup(log_level: str, on_parent_exit: Callable[[], None]) -> None:
-    """A child of the supervisor: its own process group, the server's logging, and a watch on the
-    parent (a SIGKILLed supervisor must not leave its children serving)."""
-    import sys
-
+def child_setup(log_level: str, on_parent_exit: Callable[[], None], log_format: str = "text") -> None:
+    """A child of the supervisor: its own process group, the server's logging (text, or JSON lines:
+    server.observability.logs), and a watch on the parent (a SIGKILLed supervisor must not leave its
+    children serving)."""
     import uvicorn
+
+    from server.observability import logs
 
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
-    logging.basicConfig(level=uvicorn.config.LOG_LEVELS[log_level.lower()], stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(uvicorn.config.LOG_LEVELS[log_level.lower()], log_format)
     parent = multiprocessing.parent_process()
     if parent is not None:
         def watch() -> None:
@@ -409,7 +409,7 @@ def engine_main(settings, frontends: int, lock, path: str, token: bytes, report,
         engine.orphaned = True
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor says when: after the front ends
-    child_setup(settings.log_level, orphaned)
+    child_setup(settings.log_level, orphaned, settings.log_format)
     try:
         check_backend(settings)
         models = load_models(settings)

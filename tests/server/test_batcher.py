@@ -41,8 +41,13 @@ def test_results_per_item_in_order(make):
         assert set(r.outputs) == {"y"}
         assert r.outputs["y"].shape == (D,)  # its own row, batch axis removed
         np.testing.assert_array_equal(r.outputs["y"], row(float(i))["x"] * 2)
-        assert set(r.timings) == {"queue", "inference"}
+        assert set(r.timings) == {"queue", "inference", "started", "batch_id", "batch_size"}
         assert all(v >= 0 for v in r.timings.values())
+    calls = {}
+    for r in results:  # one batch id per backend call, its size the call's real items
+        calls.setdefault(r.timings["batch_id"], []).append(r.timings["batch_size"])
+    assert all(sizes == [len(sizes)] * len(sizes) for sizes in calls.values())
+    assert sum(len(s) for s in calls.values()) == 7
     assert sorted(fn.seen()) == [float(i) for i in range(7)]  # every item computed exactly once
 
 

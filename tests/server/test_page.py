@@ -234,6 +234,25 @@ def test_a_server_error_is_shown_on_the_page(browser, url):
     browser.get_log("browser")  # the refused requests are logged by the browser itself
 
 
+def test_a_server_with_an_api_key_asks_for_it_and_sends_it(browser):
+    """--api-key: the page's first request gets 401; the page shows its key form, says when a key is
+    refused, and sends the accepted key as a Bearer header with every request after it."""
+    with live_server(create_app(Settings(api_key="page-key", grpc_port=0))) as keyed:
+        browser.get(f"{keyed}/")
+        form = wait(browser, lambda d: d.find_element("id", "key-form").is_displayed(), "the key form")
+        assert form and "needs an API key" in browser.find_element("id", "key-why").text
+        browser.find_element("id", "api-key").send_keys("wrong-key\n")
+        wait(browser, lambda d: "not accepted" in d.find_element("id", "key-why").text, "the refusal of a wrong key")
+        browser.find_element("id", "api-key").send_keys("page-key\n")
+        wait(browser, lambda d: d.find_element("id", "model").get_attribute("value") == "digits", "the model list")
+        assert not browser.find_element("id", "key-form").is_displayed()
+        browser.find_element("id", "file").send_keys(str(SEVEN))
+        wait(browser, lambda d: texts(d, "#predictions .label")[:1] == ["7"], "the label 7")
+        assert texts(browser, "#errors li") == []
+        browser.execute_script("sessionStorage.clear()")
+        browser.get_log("browser")  # the 401s are logged by the browser itself
+
+
 def test_a_model_without_routing_says_so_in_one_line(browser):
     with live_server(create_app(Settings(backend="torch", routing=False))) as plain:  # no /v1/routing maps
         browser.get(f"{plain}/")

@@ -9,6 +9,8 @@ const SLOTS = 4;          // routing maps per MoE layer: the most focused slots,
 const DEBOUNCE_MS = 300;  // the pause in typing labels after which zero-shot reruns
 const SMALL = 64;         // pictures narrower than this are drawn as blocky pixels, not blurred
 
+const KEY_ITEM = "softmoe-api-key";  // sessionStorage: the key typed into the form, for this tab only
+
 const $ = (id) => document.getElementById(id);
 const state = {
   models: new Map(),  // id -> the /v1/models entry
@@ -19,7 +21,44 @@ const state = {
   shot: 0,            // bumped by every zero-shot request: older scores are dropped
   timer: 0,
   errors: new Map(),  // request -> message
+  asking: null,       // while the key form is shown: the promise of the key typed into it
 };
+
+/** ``fetch`` with ``Authorization: Bearer KEY`` once the server has asked for a key (--api-key): a 401
+ * shows the key form, and the request is sent again with the key given there. */
+async function authorized(url, options = {}) {
+  for (;;) {
+    const key = sessionStorage.getItem(KEY_ITEM);
+    const headers = {...(options.headers || {}), ...(key ? {Authorization: `Bearer ${key}`} : {})};
+    const response = await fetch(url, {...options, headers});
+    if (response.status !== 401) return response;
+    if (key && sessionStorage.getItem(KEY_ITEM) === key) sessionStorage.removeItem(KEY_ITEM);
+    await askForKey(key ? "That API key was not accepted; try another" : "This server needs an API key");
+  }
+}
+
+/** Show the key form; resolves once a key is submitted (one form for every request waiting). */
+function askForKey(why) {
+  if (!state.asking) {
+    $("key-why").textContent = why;
+    $("key-form").hidden = false;
+    $("api-key").focus();
+    state.asking = new Promise((resolve) => {
+      $("key-form").addEventListener("submit", function given(event) {
+        event.preventDefault();
+        const key = $("api-key").value.trim();
+        if (!key) return;
+        $("key-form").removeEventListener("submit", given);
+        sessionStorage.setItem(KEY_ITEM, key);
+        $("key-form").hidden = true;
+        $("api-key").value = "";
+        state.asking = null;
+        resolve();
+      });
+    });
+  }
+  return state.asking;
+}
 
 function el(tag, props = {}, ...children) {
   const node = Object.assign(document.createElement(tag), props);
@@ -55,7 +94,8 @@ async function send(what, path, fields, isCurrent) {
     query.set(key, Array.isArray(value) ? JSON.stringify(value) : value);
   }
   const type = state.file.type.startsWith("image/") ? state.file.type : "application/octet-stream";
-  const response = await fetch(`${path}?${query}`, {method: "POST", headers: {"Content-Type": type}, body: state.file});
+  const response = await authorized(`${path}?${query}`, {method: "POST", headers: {"Content-Type": type},
+                                                          body: state.file});
   const {body, headers} = await read(response);
   if (!isCurrent()) return null;
   showLatency(what, headers);
@@ -250,7 +290,7 @@ function modelChanged() {
 async function loadModels() {
   const select = $("model");
   try {
-    const {body} = await read(await fetch(API.models));
+    const {body} = await read(await authorized(API.models));
     const models = body.data;
     models.forEach((m) => state.models.set(m.id, m));
     select.replaceChildren(...models.map((m) => el("option", {value: m.id, textContent: `${m.id} (${m.kind})`})));
