@@ -388,9 +388,10 @@ GOALS = {  # key: (comparison, target); the last four are issue 14's
     "swap_failures": ("<=", 0),
     "swap_p99_over_steady": ("<=", 2.0),
     "swap_rss_growth_over_weights": ("<=", 0.25),
+    "tracing_overhead": (">=", 0.97),  # issue 38: --otlp-endpoint at 10% sampling over off, digits
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "embed", "swap", "layers", "gpu")
+            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "embed", "swap", "tracing", "layers", "gpu")
 
 
 def _positive(kind):
@@ -406,7 +407,8 @@ def _positive(kind):
 
 def main(argv: list[str] | None = None) -> None:
     from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, embed_bench, grpc_bench, invariance_bench,
-                           memory_bench, peers_bench, protocol_cost, sparse_bench, spin_bench, swap_bench)
+                           memory_bench, peers_bench, protocol_cost, sparse_bench, spin_bench, swap_bench,
+                           tracing_bench)
     from loadtests.peers.common import SESSIONS
 
     argv = sys.argv[1:] if argv is None else argv
@@ -462,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
             "sparse": lambda: sparse_bench.section(mode, Path(tmp)),
             "embed": lambda: embed_bench.section(mode, Path(tmp)),
             "swap": lambda: swap_bench.section(mode, Path(tmp)),
+            "tracing": lambda: tracing_bench.section(mode),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

@@ -61,6 +61,8 @@ KEYS = (
     "embed_over_raw", "embed_img_per_s", "embed_raw_img_per_s",
     # a model reloaded while it serves: failures, p99 during over steady, memory after an unload
     "swap_failures", "swap_p99_over_steady", "swap_rss_growth_over_weights", "swap_sat_img_s", "swap_reload_s",
+    # --otlp-endpoint at 10% sampling vs off, side by side
+    "tracing_overhead", "tracing_c1_p50_ratio", "tracing_img_per_s_on", "tracing_img_per_s_off",
     # the run
     "errors", "seconds",
 )
