@@ -1,7 +1,9 @@
 """Sparse routing in ops TensorRT 10 takes, and a check of an ONNX file against what it refuses.
 
 The fused sparse V-MoE layers (``softmoe_models.sparse_moe``) export to TopK, GatherElements,
-ScatterElements, CumSum, Clip and ScatterND. Of the forms the exporter writes for them, TensorRT
+ScatterElements, CumSum, Clip and ScatterND; Tokens Choice's routed experts to a Slice of
+data-dependent length per expert (starts and ends computed in the graph, which TensorRT 10's
+Slice takes as tensors), two Gemms on constant weights, Concat and ConstantOfShape. Of the forms the exporter writes for them, TensorRT
 10's ONNX parser (onnx-tensorrt ``onnxOpImporters.cpp`` and ``docs/operators.md``, 10.0 to 10.15)
 refuses one, lists no kernel for the types of three more, and documents no order for the ties of
 the fifth; ``sparse_ops_for_tensorrt`` rewrites each into an equivalent that it takes, with the
@@ -14,10 +16,11 @@ same results in ONNX Runtime (every export is verified after):
   ``build_engine`` registers it); fp16/bf16 graphs add in float32 (ONNX Runtime's CPU kernel has
   no fp16 add). The plugin adds with atomics on the GPU: a token taken by three or more experts
   may differ in the last bit between runs (as torch's CUDA ``index_add_``).
-* ``CumSum`` on integers (Tokens Choice numbers each expert's claims): the support matrix lists
-  FP32, FP16 and BF16 only. Cast to float32, summed, cast back. Exact: in a sparse graph every
-  integer cumulative sum counts routing claims of one group, so each partial sum is at most
-  tokens x K (392 for K=2 at 196 tokens), far below 2**24.
+* ``CumSum`` on integers (Tokens Choice numbers each expert's claims, and sorts the kept claims of
+  the batch by expert): the support matrix lists FP32, FP16 and BF16 only. Cast to float32,
+  summed, cast back. Exact: in a sparse graph every integer cumulative sum counts routing claims,
+  of one group or of the batch, so each partial sum is at most batch x tokens x K (25,216 for
+  K=2 at 197 tokens and a batch of 64), far below 2**24.
 * ``TopK`` on integers (Tokens Choice sorts claims by expert, and relies on equal experts keeping
   claim order): ONNX says equal values come out lower index first, TensorRT documents no order for
   ties. The keys are made unique, ``value * n + position`` (``n - 1 - position`` when largest), so

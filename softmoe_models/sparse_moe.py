@@ -27,9 +27,13 @@ reproduce vmoe's trained grouping):
 Two code paths behind one flag (``fused``), sharing the routing decisions:
   * reference: vmoe's EinsumDispatcher, the (G, S, E, C) one-hot dispatch and combine tensors
     and two einsums (what the golden tests read the routing from);
-  * fused (default): no (S, E, C) tensor: each expert's buffer is gathered from the tokens its
-    slots hold, the experts run as batched matmuls on (E, G*C, d), and every token gathers its K
-    outputs back (TC) or the experts' outputs are added into the tokens they took (EC).
+  * fused (default): no (S, E, C) tensor. Tokens Choice (``tokens_form="routed"``): the kept
+    claims of the batch sorted by expert, each expert's MLP over exactly its own rows (no empty
+    capacity slot, no dropped claim computed), every claim reading its row back; the capacity
+    form (``tokens_form="capacity"``, for benchmarks) runs each expert over its whole capacity
+    buffer. Experts Choice: each expert over the C tokens it took, the outputs added into them.
+    Row counts that follow the routing depend on the batch-mates; see ``row_block`` and
+    ``routed_experts`` for how a row keeps its bits anyway (docs/routing.md).
 
 ``bf16_dispatch`` emulates vmoe's ``Bfloat16Dispatcher``: the tokens entering the buffers and the
 expert outputs leaving them are rounded to bfloat16; gates, weights and sums stay float32.
@@ -54,6 +58,34 @@ MIN_ROW_BLOCK = 4  # softmoe_models.batch_invariance.MIN_GEMM_ROWS: CPU GEMMs of
 
 def _bf16_round(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).to(x.dtype)
+
+
+@torch.library.custom_op("softmoe::routed_experts", mutates_args=())
+def routed_experts(rows: torch.Tensor, count: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor,
+                   b2: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """``(A, d) -> (A, d)``: expert e's MLP (``w1[e]``, ``b1[e]``, tanh GELU, ``w2[e]``, ``b2[e]``) on
+    its ``count[e]`` rows, which follow expert e-1's; the rows after the last expert's come back as
+    zeros; ``bf16``: the outputs rounded to bfloat16.
+
+    What ``SparseMoE`` calls while exporting: one node whose output has the input's shape, where
+    per-expert slices of data-dependent length would give torch.export an unbacked size per expert
+    (measured: 148 s to export 32 experts of one tiny layer, 254 s for 64). ``export.onnx``
+    writes each node out as a Slice and two constant Gemms per expert (``_routed_experts_nodes``).
+    """
+    out = torch.zeros_like(rows)
+    start = 0
+    for e, n in enumerate(count.tolist()):
+        if n:
+            h = F.gelu(torch.addmm(b1[e], rows[start:start + n], w1[e]), approximate="tanh")
+            y = torch.addmm(b2[e], h, w2[e])
+            out[start:start + n] = _bf16_round(y) if bf16 else y
+            start += n
+    return out
+
+
+@routed_experts.register_fake
+def _(rows, count, w1, b1, w2, b2, bf16):
+    return torch.empty_like(rows)
 
 
 def _top(x: torch.Tensor, k: int, dim: int, largest: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,19 +355,10 @@ class SparseMoE(CapturesRouting, nn.Module):
         (torch's CPU GEMMs give a row other bits at other row counts, and a row count here depends
         on the batch-mates; GEMMs of one shape do not)."""
         a, d = rows.shape
-        if torch.compiler.is_exporting():
-            starts = count.cumsum(dim=0) - count
-            segs = []
-            for i in range(self.num_experts):
-                n, start = count[i].item(), starts[i].item()
-                torch._check_is_size(n)
-                torch._check_is_size(start)
-                torch._check(start + n <= a)
-                segs.append(self._expert(i, rows.narrow(0, start, n)))
-            done = sum(seg.shape[0] for seg in segs)
-            segs.append(rows.new_zeros(a - done, d))
+        if torch.compiler.is_exporting():  # one node; export.onnx writes it out per expert
             self.rows_computed = None
-            return torch.cat(segs)
+            return torch.ops.softmoe.routed_experts(rows, count.to(torch.int64), self.w1, self.b1, self.w2, self.b2,
+                                                    self.bf16_dispatch)
         sizes = count.tolist()
         segs, start = [], 0
         computed = 0
@@ -401,7 +424,13 @@ class SparseMoE(CapturesRouting, nn.Module):
         e, c = self.num_experts, r.capacity
         token = r.token.flatten(1)  # (G, E*C) expert-major
         buf = xs.gather(1, token.unsqueeze(-1).expand(-1, -1, d))  # (G, E*C, d)
-        out = self._experts(buf.view(g, e, c, d).transpose(0, 1).reshape(e, g * c, d))
+        per_expert = buf.view(g, e, c, d).transpose(0, 1).reshape(e, g * c, d)  # (E, G*C, d)
+        if torch.compiler.is_exporting():  # the routed experts' per-expert constant Gemms, G*C rows each
+            count = torch.full((e,), g * c, dtype=torch.int64, device=xs.device)
+            out = torch.ops.softmoe.routed_experts(per_expert.reshape(e * g * c, d), count, self.w1, self.b1,
+                                                   self.w2, self.b2, self.bf16_dispatch).view(e, g * c, d)
+        else:
+            out = self._experts(per_expert)
         out = out.view(e, g, c, d).transpose(0, 1).reshape(g, e * c, d)  # (G, E*C, d)
         contrib = r.gate.to(xs.dtype).flatten(1).unsqueeze(-1) * out  # (G, E*C, d)
         # A token may be taken by 0..E experts: add the contributions into their tokens, in expert

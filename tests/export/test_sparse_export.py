@@ -177,7 +177,8 @@ def test_the_criterion_finds_the_einsum_forms_tensors(exported, tmp_path):
         files = export_onnx(pkg, tmp_path / f"{name}.onnx", sparse_dispatch="einsum", log=lines.append)
         (f,) = files
         assert op_inventory(f.path).get("Einsum", 0) >= 2 and read_metadata(f.path)["sparse_dispatch"] == "einsum"
-        assert [v for v in f.verification if not v.ok] == [] and len(f.verification) == 4  # 2 outputs x batches 1, 4
+        # 2 outputs x batches 1, 4, and each image of batch 4 among other batch-mates
+        assert [v for v in f.verification if not v.ok] == [] and len(f.verification) == 6
         found = offending(f.path, pkg)
         assert found, name
         _, e, (c,) = routing_sizes(pkg, 3)
@@ -343,3 +344,28 @@ def test_a_graph_deciding_otherwise_from_its_own_gates_still_fails(exported, mon
     results = _verify(exported[("vmoe_ec_e4", "1.05")])
     failed = [v for v in results if not v.ok]
     assert failed and all(v.own_routing_err is not None and v.gate_err <= v.gate_tol for v in failed)
+
+
+def test_the_batch_mates_check_can_fail():
+    """``export.onnx`` runs each image of a sparse graph's largest verify batch among other random
+    batch-mates and wants the same bits: an output that mixes the batch is refused, one row-wise
+    passes."""
+    from export.graphs import Graph, TensorSpec, example_inputs
+    from export.onnx import _among_other_mates
+
+    class Session:
+        def __init__(self, mixes: bool) -> None:
+            self.mixes = mixes
+
+        def run(self, names, feeds):
+            x = feeds["pixel_values"]
+            rows = x.reshape(len(x), -1).sum(1, keepdims=True)
+            return [rows + (x.sum() if self.mixes else 0)]
+
+    graph = Graph("classifier", None, [TensorSpec("pixel_values", ("batch", 3, 4, 4), torch.float32)], ["logits"])
+    feeds = example_inputs(graph, 4, seed=4)
+    for mixes in (True, False):
+        session = Session(mixes)
+        outs = session.run(None, {k: v.numpy() for k, v in feeds.items()})
+        (v,) = _among_other_mates(session, graph, feeds, outs, 2)
+        assert v.ok is not mixes and v.tol == 0.0 and "among other batch-mates" in v.output
