@@ -49,11 +49,13 @@ object with every ratio):
              (loadtests/spin_bench.py).
   memory     Resident memory of every server process over the weights' bytes, soft-s16-e128 with
              defaults, a first start (exporting) and a cached one (loadtests/memory_bench.py).
-  sparse     Sparse V-MoE beside Soft MoE at the same size: soft-s16-e128 vs tc-s16-e128-k1 (Tokens
-             Choice) and ec-s16-e128 (Experts Choice) behind `softmoe serve` with defaults, images/s
-             at saturation and p50 at concurrency 1 as sparse over soft (every server alive together
-             where the memory holds them, else one at a time); then each sparse model's fused ONNX
-             graph vs vmoe's einsum form, ONNX Runtime alone at batch 8 (loadtests/sparse_bench.py).
+  sparse     Sparse V-MoE beside Soft MoE at the same size: soft-s16-e128 vs tc-s16-e128-k1 and -k2
+             (Tokens Choice K=1, K=2) and ec-s16-e128 (Experts Choice), each at capacity factors 4.0
+             and 1.05, behind `softmoe serve` with defaults, images/s at saturation and p50 at
+             concurrency 1 as sparse over soft (every server alive together where the memory holds
+             them, else one at a time); the expert rows each computes per image and MoE block; then
+             Tokens Choice's routed form vs its capacity form, ONNX Runtime alone at batch 8 and 1
+             (loadtests/sparse_bench.py).
   embed      `softmoe embed` over 640x480 JPEGs vs the raw backend on the same model, soft-s16-e128 with
              defaults: images/s of the whole job (read, decode in its process pool, batcher, Parquet)
              over the backend alone at a full batch (loadtests/embed_bench.py).
@@ -385,6 +387,10 @@ GOALS = {  # key: (comparison, target); the last four are issue 14's
     "frontend_scaling": (">=", 0.8),
     "rss_over_weights": ("<=", 1.35),
     "embed_over_raw": (">=", 0.9),
+    "sparse_tc_over_soft_img_s": (">=", 0.85),  # issue 39: Tokens Choice K=1 at cf 4.0 beside Soft MoE
+    "sparse_tc_over_soft_c1_p50": ("<=", 1.2),
+    "sparse_tc_rows_per_image": ("<=", 1.1 * 196),
+    "sparse_ec_over_soft_img_s": (">=", 0.45),
     "swap_failures": ("<=", 0),
     "swap_p99_over_steady": ("<=", 2.0),
     "swap_rss_growth_over_weights": ("<=", 0.25),

@@ -52,11 +52,13 @@ KEYS = (
     "oip_grpc_img_per_s_b8", "oip_http_json_img_per_s_b8", "oip_http_binary_img_per_s_b8",
     "oip_grpc_server_cpu_ms_per_img_b1", "oip_http_json_server_cpu_ms_per_img_b1",
     "oip_http_binary_server_cpu_ms_per_img_b1",
-    # sparse V-MoE (Tokens Choice, Experts Choice) served beside Soft MoE; fused vs einsum sparse export
-    "sparse_tc_over_soft_img_s", "sparse_ec_over_soft_img_s", "sparse_tc_over_soft_c1_p50",
-    "sparse_ec_over_soft_c1_p50", "sparse_tc_fused_over_einsum", "sparse_ec_fused_over_einsum",
-    "sparse_soft_img_s", "sparse_tc_img_s", "sparse_ec_img_s", "sparse_tc_forms_max_abs_diff",
-    "sparse_ec_forms_max_abs_diff",
+    # sparse V-MoE (Tokens Choice K=1, K=2, Experts Choice at capacity factors 4.0 and 1.05) served
+    # beside Soft MoE; expert rows per image and MoE block; Tokens Choice's routed vs capacity form
+    *(f"sparse_{k}_{key}" for k in ("tc", "tc_k2", "ec", "tc_cf105", "tc_k2_cf105", "ec_cf105")
+      for key in ("over_soft_img_s", "over_soft_c1_p50", "img_s", "c1_p50_ms", "rows_per_image")),
+    "sparse_soft_img_s", "sparse_soft_c1_p50_ms", "sparse_soft_rows_per_image", "sparse_tc_capacity_rows_per_image",
+    "sparse_tc_routed_over_capacity_img_s", "sparse_tc_routed_over_capacity_b1", "sparse_tc_routed_img_s",
+    "sparse_tc_capacity_img_s", "sparse_tc_routed_b1_ms", "sparse_tc_capacity_b1_ms", "sparse_tc_forms_max_abs_diff",
     # softmoe embed over JPEG files vs the raw backend
     "embed_over_raw", "embed_img_per_s", "embed_raw_img_per_s",
     # a model reloaded while it serves: failures, p99 during over steady, memory after an unload
