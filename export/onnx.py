@@ -42,8 +42,10 @@ from softmoe_models.soft_moe import configure_routing
 from softmoe_models.sparse_moe import configure_sparse_routing, sparse_moe_layers
 
 from .errors import ExportError
-from .graphs import Graph, graphs_for
+from . import sparse_verify
+from .graphs import Graph, example_inputs, graphs_for
 from .op_support import replace_node, sparse_ops_for_tensorrt
+from .runtime import ort_session
 
 ExpertsForm = Literal["per-expert", "batched"]
 # Sparse V-MoE layers: "fused" (served: Tokens Choice runs each expert over the claims it kept,
@@ -315,7 +317,7 @@ def _token_means_as_matmuls(graph) -> int:
     Why: ONNX Runtime's CPU reduction merges the unit batch axis away, so at batch 1 it sums the
     tokens in another order than at any larger batch, and a lone image's pooled features differed
     in the last bit from the same image among batch-mates; strict determinism then could not run
-    a lone request at batch shape 1 (``server.proofs.prove_shapes`` refused it). A MatMul whose
+    a lone request at batch shape 1 (``server.engine.proofs.prove_shapes`` refused it). A MatMul whose
     constant row is broadcast over the batch runs one identical GEMM per sequence whatever the
     batch. The result differs from the mean by rounding only (within every export tolerance;
     ``verify`` still checks it against PyTorch).
@@ -369,7 +371,6 @@ def _quiet_torch_logs():
 
 def _trace_inputs(graph: Graph) -> list[torch.Tensor]:
     """Example inputs for tracing: batch 2 (a batch of 1 risks 0/1 specialisation)."""
-    from .graphs import example_inputs
 
     ex = example_inputs(graph, batch=2)
     return [ex[s.name] for s in graph.inputs]
@@ -439,8 +440,6 @@ def verify(
     run with each image among other batch-mates: its outputs must be the same bits (an expert runs
     as many routed rows as the batch-mates send it; its GEMMs must give a row the same bits at any
     row count, which this proves on this machine and runtime, the ones the export cache keys)."""
-    from .graphs import example_inputs
-    from .runtime import ort_session
 
     session = ort_session(path, providers=providers)
     bf16 = any(getattr(m, "bf16_dispatch", False) for m in reference.module.modules())
@@ -467,17 +466,16 @@ def verify(
         results += checked
         if sparse and batch == max(batches) and batch > 1 and all(len(s.shape) and s.shape[0] == "batch"
                                                                   for s in graph.inputs):
-            results += _among_other_mates(session, graph, feeds, outs, vocab)
+            results += among_other_mates(session, graph, feeds, outs, vocab)
     return results
 
 
-def _among_other_mates(session, graph: Graph, feeds: dict[str, torch.Tensor], outs, vocab: int
+def among_other_mates(session, graph: Graph, feeds: dict[str, torch.Tensor], outs, vocab: int
                        ) -> list[Verification]:
     """Each image of the batch at its place among other batch-mates (fresh random rows), the batch
     size unchanged: per output, the largest difference from its rows among the first mates
     (tolerance 0: the same bits). The routed rows each expert runs change with the mates; the
     shapes of the call do not (padded shapes against each other are the server's start-up proof)."""
-    from .graphs import example_inputs
 
     n = next(iter(feeds.values())).shape[0]
     others = example_inputs(graph, n, seed=1000 + n, vocab=vocab)
@@ -509,7 +507,6 @@ def _routed_on_graph_gates(path: Path, graph: Graph, reference: Graph, feeds: di
                            refs32: tuple = ()) -> list[Verification]:
     """A sparse graph off PyTorch: PyTorch again, routed on the graph's own gates
     (``export.sparse_verify``); ``checked`` as it was when the graph's gates cannot be read."""
-    from . import sparse_verify
 
     layers = sparse_moe_layers(reference.module)
     names = sparse_verify.gate_values(path)

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .runtime import ort_session
+
 SPARSE_LAYER = "softmoe_models.sparse_moe.SparseMoE"  # in a node's pkg.torch.onnx.class_hierarchy
 
 
@@ -49,8 +51,6 @@ def graph_gates(path: Path, feeds: dict[str, np.ndarray], names: list[str],
     """The values ``names`` of the graph at ``path`` on ``feeds``: a copy of the graph that also
     outputs them, written beside it (so its external data is found) and removed after."""
     import onnx
-
-    from .runtime import ort_session
 
     model = onnx.load(str(path), load_external_data=False)
     outputs = {o.name for o in model.graph.output}

@@ -39,8 +39,9 @@ class Unauthorized(ServiceError):
 
     status, type = 401, "unauthorized"
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="softmoe-serve"'})
+    def __init__(self, message: str, *, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message, param=param,
+                         headers={"WWW-Authenticate": 'Bearer realm="softmoe-serve"', **(headers or {})})
 
 
 class ClosesConnection(ServiceError):

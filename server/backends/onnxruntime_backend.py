@@ -34,7 +34,9 @@ def cache_root(cache_dir: str) -> Path:
 # Bumped whenever the exported graph changes for the same inputs (e.g. LayerNorm held in fp32 under
 # fp16): the cache key covers the exporter's code, not only its version number.
 # 3: token means (gap pooling) as MatMuls, so batch shape 1 is provable (export/onnx.py).
-GRAPH_FORMAT = 3
+# 4: sparse Tokens Choice computes the routed rows only, Experts Choice runs per-expert Gemms, every
+#    sparse export is verified among other batch-mates, and bf16 dispatch is held to its bound.
+GRAPH_FORMAT = 4
 
 # Packages whose weights are at least this large are exported in a child process: all of them, so
 # that a first start ends where a cached one does. Exporting in the server's own process left it

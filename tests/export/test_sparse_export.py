@@ -351,7 +351,7 @@ def test_the_batch_mates_check_can_fail():
     batch-mates and wants the same bits: an output that mixes the batch is refused, one row-wise
     passes."""
     from export.graphs import Graph, TensorSpec, example_inputs
-    from export.onnx import _among_other_mates
+    from export.onnx import among_other_mates
 
     class Session:
         def __init__(self, mixes: bool) -> None:
@@ -367,5 +367,5 @@ def test_the_batch_mates_check_can_fail():
     for mixes in (True, False):
         session = Session(mixes)
         outs = session.run(None, {k: v.numpy() for k, v in feeds.items()})
-        (v,) = _among_other_mates(session, graph, feeds, outs, 2)
+        (v,) = among_other_mates(session, graph, feeds, outs, 2)
         assert v.ok is not mixes and v.tol == 0.0 and "among other batch-mates" in v.output

@@ -226,7 +226,7 @@ def test_not_ready_before_startup_and_every_shape_warmed():
     cold = TestClient(app)  # no lifespan yet: nothing loaded
     assert cold.get("/v2/health/ready").status_code == 503
     shapes: dict[str, set] = {}
-    import server.http.app as registry  # the name create_app's lifespan calls
+    import server.engine.core as registry  # the name the engine's load calls
 
     real_warmup = registry.warmup
 
