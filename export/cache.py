@@ -33,7 +33,9 @@ import platform
 import re
 import secrets
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -84,11 +86,43 @@ def cache_key(inputs: dict[str, Any]) -> str:
 
 
 def file_sha256(path: str | Path) -> str:
+    return at_low_priority(_sha256, Path(path), False)
+
+
+def _sha256(path: Path, fsync: bool) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(CHUNK), b""):
             h.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
     return h.hexdigest()
+
+
+def at_low_priority(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a thread of its own at the lowest CPU priority (Linux: nice 19), waited
+    for; what it raises is raised here. A server that loads a model while it serves hashes
+    gigabytes of weights and cached graphs: at nice 19 that work takes only the CPU time the
+    served batches leave. The thread is new each time because an unprivileged thread cannot lower
+    its nice value again, and no other thread should keep 19."""
+    out: list[Any] = []
+    failed: list[BaseException] = []
+
+    def low() -> None:
+        if sys.platform == "linux":
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            out.append(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=low, name="softmoe-low-priority", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return out[0]
 
 
 def package_digests(package: str | Path) -> dict[str, str]:
@@ -271,12 +305,7 @@ def _manifest_sha(manifest: dict[str, Any]) -> str:
 
 
 def _hash_and_fsync(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK), b""):
-            h.update(chunk)
-        os.fsync(f.fileno())
-    return h.hexdigest()
+    return at_low_priority(_sha256, path, True)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -350,3 +350,33 @@ def test_onnx_file_loader_leaks_no_temp_dir(monkeypatch, tmp_path, tokenizer_fil
     want = Tokenizer.from_contract(tokenizer_file, model.text_contract)
     texts = ["a photo of a cat", "ONE boat", "the apple tree house bird dog car"]
     assert np.array_equal(model.tokenizer(texts), want(texts))
+
+
+def test_hashing_runs_on_a_low_priority_thread_and_raises_in_the_caller(tmp_path):
+    """Weights and cached graphs are hashed on a thread of their own at nice 19 (Linux), so a
+    server that loads a model while it serves hashes with the CPU its batches leave; the digest
+    is sha256's and an error comes back to the caller."""
+    import hashlib
+    import os
+    import sys
+    import threading
+
+    import pytest
+
+    from export import cache
+
+    data = os.urandom(3 * cache.CHUNK + 5)
+    (tmp_path / "w").write_bytes(data)
+    seen = {}
+
+    def probe(path, fsync):
+        seen["thread"] = threading.current_thread() is not threading.main_thread()
+        if sys.platform == "linux":
+            seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        return cache._sha256(path, fsync)
+
+    assert cache.at_low_priority(probe, tmp_path / "w", False) == hashlib.sha256(data).hexdigest()
+    assert seen["thread"] and seen.get("nice", 19) == 19
+    assert cache.file_sha256(tmp_path / "w") == hashlib.sha256(data).hexdigest()
+    with pytest.raises(FileNotFoundError):
+        cache.file_sha256(tmp_path / "missing")

@@ -185,13 +185,18 @@ def oip_logits(url: str, model: str) -> np.ndarray:
     return np.asarray(r.json()["outputs"][0]["data"], dtype=np.float32)
 
 
-def test_a_reload_under_load_loses_nothing_and_never_mixes_versions(repository, tmp_path):
+def explicit_app(tmp_path):
+    """A repository of one copy of digits, ``a``, and an app serving it (torch) in explicit mode."""
     repo = tmp_path / "models"
     repo.mkdir()
     shutil.copytree(DIGITS, repo / "a")
     settings = Settings(model_repository=str(repo), model_control_mode="explicit", load_model=["a"],
                         backend="torch", cache_dir=str(tmp_path / "cache"), grpc_port=0)
-    app = create_app(settings)
+    return repo, create_app(settings)
+
+
+def test_a_reload_under_load_loses_nothing_and_never_mixes_versions(repository, tmp_path):
+    repo, app = explicit_app(tmp_path)
     with live_server(app) as url:
         v1 = oip_logits(url, "a")
         shift = 0.5 * np.arange(10, dtype=np.float32)
@@ -237,12 +242,7 @@ def test_a_reload_under_load_loses_nothing_and_never_mixes_versions(repository, 
 
 
 def test_a_second_load_of_the_same_model_while_one_runs_is_refused(tmp_path, monkeypatch):
-    repo = tmp_path / "models"
-    repo.mkdir()
-    shutil.copytree(DIGITS, repo / "a")
-    settings = Settings(model_repository=str(repo), model_control_mode="explicit", load_model=["a"],
-                        backend="torch", cache_dir=str(tmp_path / "cache"), grpc_port=0)
-    app = create_app(settings)
+    _, app = explicit_app(tmp_path)
     from fastapi.testclient import TestClient
 
     with TestClient(app) as client:
@@ -272,12 +272,7 @@ def test_a_second_load_of_the_same_model_while_one_runs_is_refused(tmp_path, mon
 def test_a_new_version_that_does_not_fit_is_refused_before_building(tmp_path, monkeypatch):
     from server.engine import core
 
-    repo = tmp_path / "models"
-    repo.mkdir()
-    shutil.copytree(DIGITS, repo / "a")
-    settings = Settings(model_repository=str(repo), model_control_mode="explicit", load_model=["a"],
-                        backend="torch", cache_dir=str(tmp_path / "cache"), grpc_port=0)
-    app = create_app(settings)
+    _, app = explicit_app(tmp_path)
     from fastapi.testclient import TestClient
 
     with TestClient(app) as client:
@@ -357,12 +352,7 @@ def test_control_settings_are_checked_at_start(tmp_path):
 def test_an_unload_waits_for_the_requests_the_model_admitted(tmp_path):
     from fastapi.testclient import TestClient
 
-    repo = tmp_path / "models"
-    repo.mkdir()
-    shutil.copytree(DIGITS, repo / "a")
-    settings = Settings(model_repository=str(repo), model_control_mode="explicit", load_model=["a"],
-                        backend="torch", cache_dir=str(tmp_path / "cache"), grpc_port=0)
-    app = create_app(settings)
+    _, app = explicit_app(tmp_path)
     with TestClient(app) as client:
         engine = app.state.engine
         model = engine.models["a"]
@@ -394,3 +384,4 @@ def test_an_unload_waits_for_the_requests_the_model_admitted(tmp_path):
         assert answers["infer"].status_code == 200 and answers["unload"].status_code == 200
         assert engine.status["a"].state == "UNAVAILABLE" and "a" not in engine.models
         assert not [q for q in engine.batcher.queues if q.label == "a"] and not model.queues
+
