@@ -8,11 +8,18 @@ by its own backend.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 
+from export import cache
+from export import onnx as exporter
+from export.errors import ExportError
 from export.onnx import read_metadata
 from export.runtime import ort_session
 
@@ -20,15 +27,15 @@ from softmoe_models.routing import OUTPUTS as SOFT_ROUTING_OUTPUTS
 from softmoe_models.sparse_routing import OUTPUTS as SPARSE_ROUTING_OUTPUTS
 
 from server.backends.base import ROUTING, FunctionSpec, InputSpec, Rows, all_functions, warm
+from server.backends import cuda
+from server.backends.failures import FatalBackendError
 
 ROLE_TO_FN = {"classifier": "classify", "image": "image", "text": "text", "encoder": "encoder", "routing": ROUTING}
 
 
 def cache_root(cache_dir: str) -> Path:
     """``cache_dir``, else ``$SOFTMOE_CACHE_DIR``, else ``$XDG_CACHE_HOME/softmoe-serve`` or ``~/.cache/softmoe-serve``."""
-    from export.cache import default_root
-
-    return default_root(cache_dir)
+    return cache.default_root(cache_dir)
 
 
 # Bumped whenever the exported graph changes for the same inputs (e.g. LayerNorm held in fp32 under
@@ -62,13 +69,10 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     """
     import onnxruntime
 
-    from export import cache
-    from export.onnx import DEFAULT_OPSET, export_onnx
-
     # Per-expert matmuls win on CPU only; on GPU one batched matmul over the stacked experts
     # (docs: soft-moe-performance.md).
     experts = "batched" if device == "cuda" else "per-expert"
-    settings = dict(opset=DEFAULT_OPSET, precision=precision, experts=experts, towers="split",
+    settings = dict(opset=exporter.DEFAULT_OPSET, precision=precision, experts=experts, towers="split",
                     dynamic_batch=True, verify_batches=(1, 4), routing=routing)
     inputs = {
         "artifact": "onnx",
@@ -88,7 +92,7 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
         if child:
             return _export_in_child(package, tmp / "model.onnx", settings)
         detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
-        files = export_onnx(package, tmp / "model.onnx", log=detail, **settings)  # raises unless verified
+        files = exporter.export_onnx(package, tmp / "model.onnx", log=detail, **settings)  # raises unless verified
         return [f.path.name for f in files]
 
     entry = cache.build(cache_root(cache_dir) / "onnx", cache.cache_key(inputs), build, inputs=inputs, log=log)
@@ -104,13 +108,6 @@ def _export_in_child(package: Path, out: Path, settings: dict) -> list[str]:
     """``export_onnx`` in a child interpreter (``python -c``, not multiprocessing, which would
     re-run an unguarded main script): its memory goes back to the OS when it exits. Returns the
     file names it wrote; its failure, or its death (killed for memory), is one ``ExportError``."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from export.errors import ExportError
-
     args = json.dumps({"package": str(package), "out": str(out), "settings": settings})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
     r = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True, text=True,
@@ -167,12 +164,10 @@ class OnnxRuntimeBackend:
         """
         import onnxruntime as ort
 
-        from server.backends.cuda import CUDA_EP, ort_cuda_preflight, ort_cuda_session, require_ort_provider
-
         if device not in ("cpu", "cuda"):
             raise ValueError(f"unknown device {device!r}: use cpu or cuda")
         if device == "cuda":
-            ort_cuda_preflight(ort)
+            cuda.ort_cuda_preflight(ort)
         self.device, self.max_batch_size = device, max_batch_size
         self.spin = spin if device == "cpu" else None
         self.cuda_graph = cuda_graph and device == "cuda"
@@ -201,9 +196,9 @@ class OnnxRuntimeBackend:
             if fn is None or (fn == ROUTING and not routing):
                 continue
             if device == "cuda":
-                sess = ort_cuda_session(path, cuda_graph=self.cuda_graph, strict_placement=strict_placement,
+                sess = cuda.ort_cuda_session(path, cuda_graph=self.cuda_graph, strict_placement=strict_placement,
                                         threads=threads or None)
-                require_ort_provider(sess, path)
+                cuda.require_ort_provider(sess, path)
             else:
                 n = threads if not lone_threads or path in partnered else lone_threads
                 sess = ort_session(path, threads=n or None, providers=["CPUExecutionProvider"], spin=spin)
@@ -227,7 +222,7 @@ class OnnxRuntimeBackend:
         self.precision = ",".join(sorted({m.get("precision", "fp32") for m in self.metadata.values()})) or "fp32"
         self.device_used = "cpu"
         if device == "cuda":
-            ids = {s.get_provider_options().get(CUDA_EP, {}).get("device_id", "0") for s in self.sessions.values()}
+            ids = {s.get_provider_options().get(cuda.CUDA_EP, {}).get("device_id", "0") for s in self.sessions.values()}
             self.device_used = ",".join(f"cuda:{i}" for i in sorted(ids)) or "cuda"
 
     def _add(self, fn: str, sess, meta: dict, outputs: tuple[str, ...] | None = None) -> None:
@@ -251,9 +246,7 @@ class OnnxRuntimeBackend:
                 if runner is None:
                     import onnxruntime as ort
 
-                    from server.backends.cuda import OrtCudaGraphRunner
-
-                    runner = self._graph_runners[fn] = OrtCudaGraphRunner(ort, self.sessions[fn], self._specs[fn],
+                    runner = self._graph_runners[fn] = cuda.OrtCudaGraphRunner(ort, self.sessions[fn], self._specs[fn],
                                                                           self.max_batch_size)
                 return runner(inputs)
             sess = self.sessions[fn]
@@ -261,11 +254,7 @@ class OnnxRuntimeBackend:
             outs = sess.run(list(names), {k: np.ascontiguousarray(v) for k, v in inputs.items()})
             return dict(zip(names, outs))
         except Exception as e:
-            from server.backends.cuda import is_sticky_cuda_message
-
-            if self.device == "cuda" and is_sticky_cuda_message(str(e)):
-                from server.backends.failures import FatalBackendError
-
+            if self.device == "cuda" and cuda.is_sticky_cuda_message(str(e)):
                 raise FatalBackendError(f"CUDA context unusable: {' '.join(str(e).split())[:300]}") from e
             raise
 
