@@ -33,9 +33,7 @@ import platform
 import re
 import secrets
 import shutil
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -44,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExportError
+from .runtime import at_low_priority
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "softmoe-cache/1"
@@ -97,32 +96,6 @@ def _sha256(path: Path, fsync: bool) -> str:
         if fsync:
             os.fsync(f.fileno())
     return h.hexdigest()
-
-
-def at_low_priority(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on a thread of its own at the lowest CPU priority (Linux: nice 19), waited
-    for; what it raises is raised here. A server that loads a model while it serves hashes
-    gigabytes of weights and cached graphs: at nice 19 that work takes only the CPU time the
-    served batches leave. The thread is new each time because an unprivileged thread cannot lower
-    its nice value again, and no other thread should keep 19."""
-    out: list[Any] = []
-    failed: list[BaseException] = []
-
-    def low() -> None:
-        if sys.platform == "linux":
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-        try:
-            out.append(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
-            failed.append(e)
-
-    thread = threading.Thread(target=low, name="softmoe-low-priority", daemon=True)
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return out[0]
 
 
 def package_digests(package: str | Path) -> dict[str, str]:

@@ -1,9 +1,16 @@
-"""ONNX Runtime sessions configured the same way for verification, benchmarks and serving."""
+"""ONNX Runtime sessions configured the same way for verification, benchmarks and serving, and
+the lowest CPU priority for work a serving process does beside its batches."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .errors import MissingExtraError
 
@@ -12,7 +19,7 @@ SPIN_POLICIES = ("off", "run")
 
 
 def ort_session(path: str | Path, threads: int | None = None, providers: list[str] | None = None,
-                spin: str = "off"):
+                spin: str = "off", background: bool = False):
     """An InferenceSession with full graph optimisation, pinned threads and the given spin policy.
 
     Args:
@@ -20,6 +27,8 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
         threads: intra-op threads (default: the CPUs this process may use).
         providers: execution providers (default: CPU).
         spin: ``off`` (default), or ``run``: see ``session_options``.
+        background: set the session up at the lowest CPU priority (``BackgroundBuiltSession``),
+            for a process that loads a model while it serves others' batches.
     """
     try:
         import onnxruntime as ort
@@ -28,7 +37,112 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
             "onnxruntime is not installed: pip install 'softmoe-serve[cpu]' (or '[gpu]' for onnxruntime-gpu)"
         ) from None
     opts = session_options(threads, spin=spin)
+    if background:
+        return BackgroundBuiltSession(path, opts, providers or ["CPUExecutionProvider"])
     return ort.InferenceSession(str(path), sess_options=opts, providers=providers or ["CPUExecutionProvider"])
+
+
+
+def structure_digest(path: str | Path) -> str:
+    """sha256 (hex) of what an ONNX graph asks a runtime to compute, its weights' values left out:
+    every node and attribute, the inputs and outputs, each initializer's name, type and shape, and
+    the values of the one-element initializers (the scalars a graph optimiser matches, such as an
+    epsilon or a power); not the data of larger initializers (weights, biases), nor the model's
+    metadata. Two graphs with the same digest run the same kernels on the same shapes, so what
+    start-up proved and measured of one on a machine holds for the other (``server.engine.proofs``)."""
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    for tensor in model.graph.initializer:
+        if len(tensor.dims) and _elements(tensor.dims) > 1:
+            name, dims, dtype = tensor.name, list(tensor.dims), tensor.data_type
+            tensor.Clear()
+            tensor.name, tensor.data_type = name, dtype
+            tensor.dims.extend(dims)
+        elif uses_external_data(tensor):  # a scalar kept outside the file: its value, not its place
+            load_external_data_for_tensor(tensor, str(path.parent))
+            del tensor.external_data[:]
+            tensor.data_location = onnx.TensorProto.DEFAULT
+    del model.metadata_props[:]
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _elements(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+class BackgroundBuiltSession:
+    """An ONNX Runtime session set up at the lowest CPU priority, its intra-op threads at the
+    caller's: what a server uses for a model it loads while it serves.
+
+    Setting a session up (the graph read and optimised, gigabytes of weights read and prepacked)
+    takes seconds of one core for a large model, and at normal priority those seconds come out of
+    the served batches. A thread takes its nice value from the thread that starts it, and an
+    unprivileged thread cannot lower its nice value again; ONNX Runtime starts a session's intra-op
+    threads when the session object is constructed, then sets it up. ``onnxruntime.InferenceSession``
+    takes both steps in one call, so they are taken here, one by one, on the binding it wraps
+    (``onnxruntime.capi._pybind_state.InferenceSession``): the construction on the calling thread,
+    so the intra-op threads that serve later keep its priority, then the set-up
+    (``initialize_session``, which releases the GIL) on a thread at nice 19 (``at_low_priority``).
+    It answers the calls the backends make on a session; its outputs are those of an
+    ``InferenceSession`` of the same file and options (tests/export/test_runtime.py)."""
+
+    def __init__(self, path: str | Path, options, providers: list[str]) -> None:
+        from onnxruntime.capi import _pybind_state as binding
+
+        self._sess = binding.InferenceSession(options, str(path), True, False)
+        at_low_priority(self._sess.initialize_session, list(providers), [{} for _ in providers], set())
+        self._inputs = self._sess.inputs_meta
+        self._outputs = self._sess.outputs_meta
+
+    def run(self, output_names: list[str] | None, input_feed: dict[str, Any], run_options=None) -> list:
+        names = list(output_names) if output_names else [o.name for o in self._outputs]
+        return self._sess.run(names, input_feed, run_options)
+
+    def get_inputs(self) -> list:
+        return self._inputs
+
+    def get_outputs(self) -> list:
+        return self._outputs
+
+    def get_providers(self) -> list[str]:
+        return self._sess.get_providers()
+
+    def get_provider_options(self) -> dict:
+        return self._sess.get_provider_options()
+
+    def get_modelmeta(self):
+        return self._sess.model_meta
+
+
+def at_low_priority(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` on a thread of its own at the lowest CPU priority (Linux: nice 19), waited
+    for; what it raises is raised here. A server that loads a model while it serves hashes
+    gigabytes of weights and cached graphs: at nice 19 that work takes only the CPU time the
+    served batches leave. The thread is new each time because an unprivileged thread cannot lower
+    its nice value again, and no other thread should keep 19."""
+    out: list[Any] = []
+    failed: list[BaseException] = []
+
+    def low() -> None:
+        if sys.platform == "linux":
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        try:
+            out.append(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            failed.append(e)
+
+    thread = threading.Thread(target=low, name="softmoe-low-priority", daemon=True)
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return out[0]
 
 
 def session_options(threads: int | None = None, spin: str = "off"):
