@@ -72,6 +72,13 @@ def specs_from_graphs(graphs) -> dict[str, FunctionSpec]:
     return out
 
 
+def structure_of(backend: Backend) -> str | None:
+    """The backend's ``structure()`` where it has one (what it computes and how, the weights'
+    values left out; equal structures run the same kernels on the same shapes), else None."""
+    structure = getattr(backend, "structure", None)
+    return structure() if structure is not None else None
+
+
 def all_functions(backend: Backend) -> dict[str, FunctionSpec]:
     """``functions`` plus the routing function where there is one."""
     routing = getattr(backend, "routing", None)

@@ -21,7 +21,7 @@ from export import cache
 from export import onnx as exporter
 from export.errors import ExportError
 from export.onnx import read_metadata
-from export.runtime import ort_session
+from export.runtime import ort_session, structure_digest
 
 from softmoe_models.routing import OUTPUTS as SOFT_ROUTING_OUTPUTS
 from softmoe_models.sparse_routing import OUTPUTS as SPARSE_ROUTING_OUTPUTS
@@ -52,6 +52,12 @@ GRAPH_FORMAT = 4
 # weights: about 4 GB more). The child costs a first start a few seconds of imports.
 # loadtests/export_memory.py compares the two ways by setting it.
 EXPORT_IN_CHILD_BYTES = 0
+# Packages whose weights are at least this large are exported at the lowest CPU priority (nice 19):
+# a new version of a large model exports for minutes, which a server that serves meanwhile cannot
+# give from its batches' time. A small one exports in seconds of CPU at the server's priority:
+# at nice 19 those seconds wait for CPU a busy server never leaves (digits, 12 CPU-seconds: a
+# reload under 16 closed-loop clients took 244 s at nice 19).
+LOW_PRIORITY_EXPORT_BYTES = 256 * 2**20
 ROUTING_OUTPUTS = frozenset(SOFT_ROUTING_OUTPUTS) | frozenset(SPARSE_ROUTING_OUTPUTS)  # a routing graph's, after the plain ones
 
 
@@ -108,7 +114,8 @@ def _export_in_child(package: Path, out: Path, settings: dict) -> list[str]:
     """``export_onnx`` in a child interpreter (``python -c``, not multiprocessing, which would
     re-run an unguarded main script): its memory goes back to the OS when it exits. Returns the
     file names it wrote; its failure, or its death (killed for memory), is one ``ExportError``."""
-    args = json.dumps({"package": str(package), "out": str(out), "settings": settings})
+    nice = 19 if _weight_bytes(package) >= LOW_PRIORITY_EXPORT_BYTES else 0
+    args = json.dumps({"package": str(package), "out": str(out), "settings": settings, "nice": nice})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
     r = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True, text=True,
                        stdin=subprocess.DEVNULL, env=env)
@@ -123,8 +130,9 @@ def _export_in_child(package: Path, out: Path, settings: dict) -> list[str]:
 
 # The child's side: export, verify, print the file names as JSON; any error is its last stderr line.
 _CHILD = """
-import json, sys
+import json, os, sys
 args = json.loads(sys.argv[1])
+os.nice(args["nice"])
 try:
     from export.onnx import export_onnx
     files = export_onnx(args["package"], args["out"], log=lambda *a: None, **args["settings"])
@@ -140,7 +148,7 @@ class OnnxRuntimeBackend:
 
     def __init__(self, files: list[Path], *, device: str = "cpu", max_batch_size: int = 8, threads: int = 0,
                  cuda_graph: bool = False, strict_placement: bool = False, routing: bool = True,
-                 spin: str = "run", lone_threads: int = 0) -> None:
+                 spin: str = "run", lone_threads: int = 0, background: bool = False) -> None:
         """Sessions for ``files``. On cuda only the CUDA EP is requested (deterministic options,
         ``server.backends.cuda``) and every session must really have it active, else
         ``DeviceUnavailableError``: never served from CPU.
@@ -161,6 +169,9 @@ class OnnxRuntimeBackend:
             lone_threads: on cpu, wide lone calls (``--wide-lone-batches``): the intra-op threads
                 of every session (0: ``threads``); the image function that has a routing graph may
                 also run beside other calls on it (``narrow`` names it).
+            background: on cpu, each session is set up at the lowest CPU priority, its intra-op
+                threads at the caller's (``export.runtime.BackgroundBuiltSession``): the engine
+                asks for it when it loads a model while it serves.
         """
         import onnxruntime as ort
 
@@ -175,6 +186,8 @@ class OnnxRuntimeBackend:
         self.functions: dict[str, FunctionSpec] = {}
         self.metadata: dict[str, dict] = {}
         self._graph_runners: dict = {}
+        self._structure: str | None = None
+        self._built: list[tuple[str, Path, int]] = []  # (function, file, intra-op threads) per session
         self.routing: FunctionSpec | None = None
         files = [Path(f) for f in files]
         given = list(files)  # the functions keep the order of their files
@@ -201,9 +214,11 @@ class OnnxRuntimeBackend:
                 cuda.require_ort_provider(sess, path)
             else:
                 n = threads if not lone_threads or path in partnered else lone_threads
-                sess = ort_session(path, threads=n or None, providers=["CPUExecutionProvider"], spin=spin)
+                sess = ort_session(path, threads=n or None, providers=["CPUExecutionProvider"], spin=spin,
+                                   background=background)
                 if lone_threads and path in partnered:
                     self.narrow.add(fn)
+            self._built.append((fn, path, threads if device == "cuda" else n))
             self._add(fn, sess, meta)
             sources[fn] = path
         for plain in partnered if shared else ():
@@ -260,6 +275,20 @@ class OnnxRuntimeBackend:
 
     def warmup(self, batch_sizes: list[int]) -> None:
         warm(self, batch_sizes)
+
+    def structure(self) -> str:
+        """What these sessions compute and how, the weights' values left out: each session's
+        function, graph structure (``export.runtime.structure_digest``) and intra-op threads, the
+        device, the spin policy, CUDA-graph mode and ONNX Runtime's version. Two backends with the
+        same structure in one process run the same kernels on the same shapes."""
+        if self._structure is None:
+            import onnxruntime as ort
+
+            parts = [ort.__version__, self.device, str(self.spin), str(self.cuda_graph), *sorted(self.narrow)]
+            parts += [f"{fn}:{structure_digest(path)}:{n}" for fn, path, n in self._built]
+            parts += [f"{fn}={','.join(spec.outputs)}" for fn, spec in sorted(self.functions.items())]
+            self._structure = cache.cache_key({"onnxruntime": parts})
+        return self._structure
 
     def describe(self) -> dict:
         import onnxruntime as ort

@@ -91,9 +91,10 @@ class Engine:
 
     # ------------------------------------------------------------------ start-up
 
-    def open(self, spec: str) -> ServedModel:
-        """A package (or .onnx) as a served model, not yet attached: its backend, or ModelLoadError."""
-        model = load_served_model(spec, self.settings, log.info)
+    def open(self, spec: str, background: bool = False) -> ServedModel:
+        """A package (or .onnx) as a served model, not yet attached: its backend, or ModelLoadError.
+        ``background``: models serve meanwhile (the backend is set up at low priority)."""
+        model = load_served_model(spec, self.settings, log.info, background)
         draft = self.settings.jpeg_draft
         if model.preprocess is not None and ("*" in draft or model.name in draft):
             apply_jpeg_draft([model], [model.name])
@@ -162,7 +163,7 @@ class Engine:
                         self._take_down(name, old, "unloaded before loading its next version (unload_first)")
                         old = None
                         status.state = LOADING
-                model = self._build(name, spec)
+                model = self._build(name, spec, old)
             except Exception as e:
                 text = e.message if isinstance(e, Conflict) else describe(e)
                 status.reason = f"load failed: {text}"
@@ -232,11 +233,13 @@ class Engine:
             with self._lock:
                 self._busy.discard(name)
 
-    def _build(self, name: str, spec: str) -> ServedModel:
-        model = self.open(f"{name}={spec}")
+    def _build(self, name: str, spec: str, serving: ServedModel | None) -> ServedModel:
+        """The new version, attached and warmed (inheriting ``serving``'s start-up findings where
+        ``proofs.carries``); while other models serve, its backend is set up at low priority."""
+        model = self.open(f"{name}={spec}", background=bool(self.models))
         try:
             self.attach(model)
-            warmup(model, self.settings, self.say)
+            warmup(model, self.settings, self.say, serving=serving)
         except BaseException:
             self._release(model)
             raise

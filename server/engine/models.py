@@ -179,6 +179,7 @@ class ServedModel:
     routing: RoutingState | None = None  # image models with Soft MoE layers (--routing)
     ready: bool = False
     opened_s: float = 0.0  # seconds its package took to open (backend, export or cache): part of its load time
+    inherited: bool = False  # its start-up findings are those of the version it replaced (proofs.carries)
 
     def can(self, fn: str) -> bool:
         return fn in self.backend.functions or (fn == ROUTING and self.routing is not None)
@@ -202,27 +203,29 @@ def parse_spec(spec: str) -> tuple[str | None, Path]:
     return None, Path(spec)
 
 
-def load_served_model(spec: str, settings: Settings, log=print) -> ServedModel:
+def load_served_model(spec: str, settings: Settings, log=print, background: bool = False) -> ServedModel:
     """The package (or .onnx) of ``spec`` (``NAME=PATH`` or ``PATH``) on its backend; ModelLoadError
-    (one line) when it cannot be served."""
+    (one line) when it cannot be served. ``background``: the process serves other batches
+    meanwhile, so the backend's set-up runs at the lowest CPU priority where it can (ONNX Runtime
+    on CPU: ``export.runtime.BackgroundBuiltSession``)."""
     started = time.perf_counter()
-    model = _load_served_model(spec, settings, log)
+    model = _load_served_model(spec, settings, log, background)
     model.opened_s = time.perf_counter() - started
     return model
 
 
-def _load_served_model(spec: str, settings: Settings, log) -> ServedModel:
+def _load_served_model(spec: str, settings: Settings, log, background: bool = False) -> ServedModel:
     name, path = parse_spec(spec)
     if not path.exists():
         raise ModelLoadError(f"model path not found: {path}")
     if path.is_file() and path.suffix == ".onnx":
-        return _from_onnx(name or path.stem, path, settings)
+        return _from_onnx(name or path.stem, path, settings, background)
     try:
         pkg = read_package(path)
     except Exception as e:  # PackageError and friends: one line
         raise ModelLoadError(str(e)) from None
     name = name or path.name
-    backend = _backend_for_package(path, settings, log)
+    backend = _backend_for_package(path, settings, log, background)
     model = ServedModel(
         name=name, kind=pkg.kind, source=str(path), backend=backend,
         preprocess=pkg.preprocess if pkg.meta.get("preprocess") else None,
@@ -311,7 +314,7 @@ def total_threads(settings: Settings) -> int:
     return settings.threads or len(os.sched_getaffinity(0))
 
 
-def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
+def _backend_for_package(path: Path, settings: Settings, log, background: bool = False) -> Backend:
     from server.backends.cuda import resolve_precision
 
     _check_pixel_transfer(settings)
@@ -334,14 +337,14 @@ def _backend_for_package(path: Path, settings: Settings, log) -> Backend:
         return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
                                   threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
                                   routing=settings.routing, spin=settings.ort_spinning,
-                                  lone_threads=lone_threads(settings))
+                                  lone_threads=lone_threads(settings), background=background)
     from server.backends.tensorrt_backend import TensorRTBackend
 
     return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
                            cache_dir=settings.cache_dir, routing=settings.routing)
 
 
-def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
+def _from_onnx(name: str, path: Path, settings: Settings, background: bool = False) -> ServedModel:
     """An exported file on its own: everything the server needs is in its metadata."""
     from export.onnx import read_metadata
 
@@ -367,7 +370,7 @@ def _from_onnx(name: str, path: Path, settings: Settings) -> ServedModel:
     backend = OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
                                  threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
                                  routing=settings.routing, spin=settings.ort_spinning,
-                                 lone_threads=lone_threads(settings))
+                                 lone_threads=lone_threads(settings), background=background)
     pkg_meta = meta.get("package_config") or {}
     model = ServedModel(
         name=name, kind=meta["kind"], source=str(path), backend=backend,

@@ -3,7 +3,13 @@ then the proofs that decide how it is served, each on this machine and backend, 
 the padded shapes bitwise equal to the maximal one (strict determinism), whether the routing graph
 may stand in for the plain one (sampled statistics, wide lone calls) and whether running batches
 beside each other pays, and that concurrent batches give the outputs of calls alone. A proof that
-fails narrows how the model is served, or stops the start-up (``ModelLoadError``)."""
+fails narrows how the model is served, or stops the start-up (``ModelLoadError``).
+
+A model's next version, loaded while the current one serves, inherits these findings when its
+backend has the same structure (``carries``: the same graphs, weights' values aside, on the same
+runtime, device and threads): they are properties of the kernels run on those shapes on this
+machine, not of the weights' values. Proving them again would cost the served batches a minute of
+CPU on a large model, and the measurement would measure the load more than the model."""
 
 from __future__ import annotations
 
@@ -13,27 +19,63 @@ import time
 
 import numpy as np
 
-from server.backends.base import ROUTING, all_functions
+from server.backends.base import ROUTING, all_functions, structure_of
 from server.errors import ModelLoadError
 from server.engine.models import ServedModel, backend_threads, total_threads, wide_lone
 from server.settings import Settings
 
 
-def warmup(model: ServedModel, settings: Settings, log=print) -> None:
+def warmup(model: ServedModel, settings: Settings, log=print, serving: ServedModel | None = None) -> None:
     """Every batch shape the server will run: the proven padded shapes (strict) or 1..max (loose);
     then the proofs, whose lines go to the debug log, and one line for ``log`` that says how the
-    model is served (``serving_line``)."""
+    model is served (``serving_line``). ``serving``: the version of this model that serves now,
+    whose findings this one inherits when ``carries`` says so (then every shape is warmed once)."""
     if settings.warmup:
         detail = logging.getLogger("softmoe.startup").debug
-        if settings.strict_determinism:
-            model.backend.warmup([settings.max_batch_size])
-            if settings.proven_shapes:
-                prove_shapes(model, settings.max_batch_size, detail)
+        if serving is not None and carries(serving, model):
+            inherit(serving, model, settings, detail)
         else:
-            model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
-        prove_routing(model, settings, detail)
-        check_concurrent_batches(model, settings, detail)
+            if settings.strict_determinism:
+                model.backend.warmup([settings.max_batch_size])
+                if settings.proven_shapes:
+                    prove_shapes(model, settings.max_batch_size, detail)
+            else:
+                model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
+            prove_routing(model, settings, detail)
+            check_concurrent_batches(model, settings, detail)
     log(serving_line(model, settings))
+
+
+def carries(serving: ServedModel, model: ServedModel) -> bool:
+    """Whether ``model`` may inherit the start-up findings of ``serving``: both of one kind, and
+    backends of one structure (``structure()``: ONNX Runtime's sessions; a backend without it
+    proves everything again)."""
+    mine = structure_of(model.backend)
+    return mine is not None and serving.kind == model.kind and mine == structure_of(serving.backend)
+
+
+def inherit(serving: ServedModel, model: ServedModel, settings: Settings, log=print) -> None:
+    """``serving``'s findings for ``model`` (``carries`` holds): the padded shapes each queue runs,
+    whether the routing graph stands in for the plain one and whether calls run beside each other;
+    then every shape of every function run once on ``model``'s backend, so no request meets a
+    cold shape."""
+    for fn, queue in model.queues.items():
+        if fn in serving.queues:
+            queue.shapes = tuple(serving.queues[fn].shapes)
+    model.proven_shapes = dict(serving.proven_shapes)
+    if model.routing is not None and serving.routing is not None:
+        model.routing.shared, model.routing.beside = serving.routing.shared, serving.routing.beside
+        model.routing.why = serving.routing.why
+    rng = np.random.default_rng(0)
+    for fn, spec in all_functions(model.backend).items():
+        queue = model.queues.get(fn)
+        sizes = list(queue.shapes) if settings.strict_determinism and queue is not None \
+            else sorted({1, 2, settings.max_batch_size})
+        for size in sizes:
+            model.backend.run(fn, random_rows(spec, size, rng, model.vocab_size))
+    model.inherited = True
+    log(f"{model.name}: the serving version's proofs and measurements hold for this one (the same graphs, "
+        f"weights aside, on the same runtime and threads); every shape warmed")
 
 
 def serving_line(model: ServedModel, settings: Settings) -> str:
@@ -44,6 +86,8 @@ def serving_line(model: ServedModel, settings: Settings) -> str:
     where = f"{info.get('backend', model.backend.name)} on {info.get('device', settings.device)}"
     precision = info.get("precision")
     parts = [f"{model.name}: {where}" + (f" ({precision})" if precision else "")]
+    if model.inherited:
+        parts.append("start-up findings inherited from the version it replaces (the same graphs, weights aside)")
     full = settings.max_batch_size
     if not settings.strict_determinism:
         parts.append(f"batches of 1 to {full} as they come (--no-strict-determinism)")

@@ -57,6 +57,19 @@ def test_a_child_that_dies_is_an_export_error(monkeypatch, pkg, tmp_path):
         ob._export_in_child(pkg, tmp_path / "model.onnx", {})
 
 
+def test_a_large_package_exports_at_the_lowest_priority_and_a_small_one_at_the_servers(monkeypatch, pkg, tmp_path):
+    import os
+
+    # the child's own preamble (its arguments, its nice value), then its niceness instead of an export
+    preamble = ob._CHILD.split("try:")[0]
+    monkeypatch.setattr(ob, "_CHILD", preamble + "print(json.dumps([os.nice(0)]))")
+    mine = os.nice(0)
+    monkeypatch.setattr(ob, "LOW_PRIORITY_EXPORT_BYTES", 1)
+    assert ob._export_in_child(pkg, tmp_path / "model.onnx", {}) == [19]
+    monkeypatch.setattr(ob, "LOW_PRIORITY_EXPORT_BYTES", 1 << 62)
+    assert ob._export_in_child(pkg, tmp_path / "model.onnx", {}) == [mine]
+
+
 def test_export_memory_bench_runs(tmp_path):
     """`python -m loadtests.export_memory` (its figures: docs/benchmarks.md) on the shipped digits:
     both ways run and report; no figure is asserted."""

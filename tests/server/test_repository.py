@@ -250,10 +250,10 @@ def test_a_second_load_of_the_same_model_while_one_runs_is_refused(tmp_path, mon
         gate, entered = threading.Event(), threading.Event()
         build = engine._build
 
-        def slow_build(name, spec):
+        def slow_build(name, spec, serving):
             entered.set()
             gate.wait(30)
-            return build(name, spec)
+            return build(name, spec, serving)
 
         monkeypatch.setattr(engine, "_build", slow_build)
         first = threading.Thread(target=lambda: client.post("/v2/repository/models/a/load"))
@@ -283,6 +283,49 @@ def test_a_new_version_that_does_not_fit_is_refused_before_building(tmp_path, mo
         r = client.post("/v2/repository/models/a/load", json={"parameters": {"unload_first": True}})
         assert r.status_code == 200, r.text
         assert app.state.engine.status["a"].version == 2
+
+
+def test_a_next_version_of_the_same_graphs_inherits_the_start_up_findings(tmp_path, packages, monkeypatch):
+    """ONNX Runtime: a version whose graphs differ only in their weights inherits the serving one's
+    proofs and measurements (none is run again; its sessions set up at low priority, every shape
+    warmed) and answers with its own weights; a model of other graphs under the name proves anew."""
+    from export.runtime import BackgroundBuiltSession
+    from server.engine import proofs
+    from server.engine.core import Engine
+    from server.engine.startup import load_models
+    from server.metrics import Metrics
+
+    shutil.copytree(DIGITS, tmp_path / "a")
+    settings = Settings(models=[f"a={tmp_path / 'a'}"], backend="onnxruntime", cache_dir=str(tmp_path / "cache"))
+    engine = Engine(settings, Metrics(), say=lambda line: None)
+    [first] = load_models(settings)
+    engine.adopt([first])
+    engine.warm(first)
+    engine.start()
+    proved = []
+    for proof in ("prove_shapes", "prove_routing", "check_concurrent_batches"):
+        real = getattr(proofs, proof)
+        monkeypatch.setattr(proofs, proof, lambda *a, real=real, proof=proof, **k: proved.append(proof) or real(*a, **k))
+    try:
+        assert not first.inherited and not isinstance(first.backend.sessions["classify"], BackgroundBuiltSession)
+        shapes = {fn: q.shapes for fn, q in first.queues.items()}
+        structure = first.backend.structure()
+        x = np.random.default_rng(0).uniform(-1, 1, (8, 3, 8, 8)).astype(np.float32)
+        old_logits = first.backend.run("classify", {"pixel_values": x})["logits"]
+        new = engine.load("a", str(other_version(tmp_path / "v2")))
+        assert new.inherited and not proved
+        assert isinstance(new.backend.sessions["classify"], BackgroundBuiltSession)
+        assert new.backend.structure() == structure
+        assert {fn: q.shapes for fn, q in new.queues.items()} == shapes
+        assert "inherited" in proofs.serving_line(new, settings)
+        new_logits = engine.models["a"].queues["classify"].fn({"pixel_values": x})["logits"]
+        np.testing.assert_allclose(new_logits - old_logits, np.broadcast_to(0.5 * np.arange(10), (8, 10)), atol=1e-5)
+
+        other = engine.load("a", str(packages["golden"]))  # a Soft MoE classifier: other graphs
+        assert not other.inherited and proved == ["prove_shapes", "prove_routing", "check_concurrent_batches"]
+        assert other.backend.structure() != new.backend.structure()
+    finally:
+        engine.close()
 
 
 def test_modes_none_and_poll_refuse_control_requests(tmp_path):
