@@ -93,7 +93,7 @@ def run(model: str = "soft-s16-e128", reloads: int = 3, fraction: float = 0.7, w
         sat = load([server.port], [(jpeg_request("/v1/classify?model=a", image), 1)], pick(mode, 20, 8, 0.5), 8,
                    label="swap saturation").items_per_s
         rate = max(sat * fraction, 1.0)
-        steady_s = pick(mode, 30.0, 12.0, 1.0)
+        steady_s = pick(mode, 60.0, 12.0, 1.0)
         window = {"now": "steady"}
         reload_s: list[float] = []
         failures: list[str] = []
