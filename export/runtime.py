@@ -42,7 +42,6 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
     return ort.InferenceSession(str(path), sess_options=opts, providers=providers or ["CPUExecutionProvider"])
 
 
-
 def structure_digest(path: str | Path) -> str:
     """sha256 (hex) of what an ONNX graph asks a runtime to compute, its weights' values left out:
     every node and attribute, the inputs and outputs, each initializer's name, type and shape, and
@@ -74,6 +73,7 @@ def _elements(dims) -> int:
     for d in dims:
         n *= int(d)
     return n
+
 
 class BackgroundBuiltSession:
     """An ONNX Runtime session set up at the lowest CPU priority, its intra-op threads at the

@@ -13,12 +13,17 @@ from typing import Any
 
 import numpy as np
 
+from export.onnx import read_metadata
 from softmoe_models import routing as routing_lib
 from softmoe_models.package import read_package
 from softmoe_models.preprocess import PreprocessConfig
 from softmoe_models.tokenizer import Tokenizer
 
 from server.backends.base import PIXELS, ROUTING, Backend
+from server.backends.cuda import resolve_precision
+from server.backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
+from server.backends.tensorrt_backend import TensorRTBackend
+from server.backends.torch_backend import TorchBackend
 from server.batching.batcher import Batcher, ModelQueue
 from server.errors import ModelLoadError
 from server.metrics import Metrics
@@ -315,41 +320,29 @@ def total_threads(settings: Settings) -> int:
 
 
 def _backend_for_package(path: Path, settings: Settings, log, background: bool = False) -> Backend:
-    from server.backends.cuda import resolve_precision
-
     _check_pixel_transfer(settings)
     _check_concurrency(settings)
 
     precision = resolve_precision(settings.backend, settings.device, settings.precision)
     if settings.backend == "torch":
-        from server.backends.torch_backend import TorchBackend
-
         return TorchBackend(path, device=settings.device, precision=precision,
                             max_batch_size=settings.max_batch_size, threads=backend_threads(settings),
                             cuda_graphs=settings.cuda_graphs, pinned_staging=settings.pinned_staging,
                             routing=settings.routing, pixel_transfer=settings.pixel_transfer,
                             batch_invariant=settings.strict_determinism and settings.proven_shapes)
     if settings.backend == "onnxruntime":
-        from server.backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
-
         files = exported_files(path, settings.cache_dir, precision, log=log, device=settings.device,
                                routing=settings.routing)
         return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
                                   threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
                                   routing=settings.routing, spin=settings.ort_spinning,
                                   lone_threads=lone_threads(settings), background=background)
-    from server.backends.tensorrt_backend import TensorRTBackend
-
     return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
                            cache_dir=settings.cache_dir, routing=settings.routing)
 
 
 def _from_onnx(name: str, path: Path, settings: Settings, background: bool = False) -> ServedModel:
     """An exported file on its own: everything the server needs is in its metadata."""
-    from export.onnx import read_metadata
-
-    from server.backends.onnxruntime_backend import OnnxRuntimeBackend
-
     if settings.backend != "onnxruntime":
         raise ModelLoadError(f"{path}: an .onnx file is served with --backend onnxruntime")
     _check_pixel_transfer(settings)

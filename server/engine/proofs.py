@@ -35,15 +35,20 @@ def warmup(model: ServedModel, settings: Settings, log=print, serving: ServedMod
         if serving is not None and carries(serving, model):
             inherit(serving, model, settings, detail)
         else:
-            if settings.strict_determinism:
-                model.backend.warmup([settings.max_batch_size])
-                if settings.proven_shapes:
-                    prove_shapes(model, settings.max_batch_size, detail)
-            else:
-                model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
-            prove_routing(model, settings, detail)
-            check_concurrent_batches(model, settings, detail)
+            prove(model, settings, detail)
     log(serving_line(model, settings))
+
+
+def prove(model: ServedModel, settings: Settings, log=print) -> None:
+    """Every batch shape warmed, then every proof and measurement run on ``model``'s backend."""
+    if settings.strict_determinism:
+        model.backend.warmup([settings.max_batch_size])
+        if settings.proven_shapes:
+            prove_shapes(model, settings.max_batch_size, log)
+    else:
+        model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
+    prove_routing(model, settings, log)
+    check_concurrent_batches(model, settings, log)
 
 
 def carries(serving: ServedModel, model: ServedModel) -> bool:
