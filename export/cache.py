@@ -115,6 +115,24 @@ def package_digests(package: str | Path) -> dict[str, str]:
     return out
 
 
+# The fields of config.json that decide what an export computes; the rest (labels, tokenizer,
+# preprocess, routing profile, templates, provenance) only go into a graph's metadata.
+STRUCTURE_FIELDS = ("format", "format_version", "kind", "variant", "model")
+
+
+def package_structure(package: str | Path) -> dict[str, Any]:
+    """What of a model package decides the graphs an export writes, its weights' values aside:
+    ``STRUCTURE_FIELDS`` of config.json (an unreadable config: its sha256, so nothing matches it)."""
+    config = Path(package) / "config.json"
+    try:
+        meta = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return {"config.json": file_sha256(config) if config.is_file() else "missing"}
+    if not isinstance(meta, dict):
+        return {"config.json": file_sha256(config)}
+    return {k: meta.get(k) for k in STRUCTURE_FIELDS}
+
+
 def versions(*distributions: str) -> dict[str, str]:
     """Installed versions of ``distributions`` ("missing" when not installed); no imports."""
     out = {}

@@ -42,7 +42,7 @@ from softmoe_models.soft_moe import configure_routing
 from softmoe_models.sparse_moe import configure_sparse_routing, sparse_moe_layers
 
 from .errors import ExportError
-from . import sparse_verify
+from . import binding, sparse_verify
 from .graphs import Graph, example_inputs, graphs_for
 from .op_support import replace_node, sparse_ops_for_tensorrt
 from .runtime import ort_session
@@ -121,7 +121,7 @@ class ExportedFile:
     verification: list[Verification] = field(default_factory=list)
 
 
-def _metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph, weights_sha: str,
+def graph_metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph, weights_sha: str,
               model=None, sparse_dispatch: str | None = None) -> dict[str, str]:
     meta = {
         "format": "softmoe-onnx/1",
@@ -549,6 +549,7 @@ def export_onnx(
     verify_batches: tuple[int, ...] = (1, 4),
     routing: bool = False,
     sparse_dispatch: SparseDispatch = "fused",
+    structure_out: str | Path | None = None,
     log=print,
 ) -> list[ExportedFile]:
     """Export ``package`` to ONNX and verify it; returns what was written.
@@ -571,12 +572,56 @@ def export_onnx(
         sparse_dispatch: sparse V-MoE packages only: ``fused`` (gathers, no tokens x experts x
             capacity tensor: what is served) or ``einsum`` (vmoe's reference einsums, Einsum nodes
             allowed: for benchmarks that compare the two, never served).
+        structure_out: also write the graphs as structure there (``write_structure_entry``),
+            for ``bind_onnx`` to bind other packages' weights into.
         log: where progress lines go.
 
     Raises:
         ExportError: bad arguments, exporter failure, an Einsum in the graph (unless
             ``sparse_dispatch="einsum"``), failed verification.
     """
+    prep = _prepared(package, opset, precision, experts, towers, routing, sparse_dispatch, out)
+    pkg, model, reference_graphs, export_model, graphs, paths = prep
+    sparse = bool(sparse_moe_layers(model))
+    providers = _verify_providers(precision)
+    weights_sha = _weights_sha(pkg)  # once: the weights file can be gigabytes
+    vocab = getattr(getattr(model.cfg, "text", None), "vocab_size", 2)
+    batches = verify_batches if dynamic_batch else (2,)
+
+    written: list[ExportedFile] = []
+    for role, graph in graphs.items():
+        path = paths[role]
+        t0 = time.perf_counter()
+        meta = graph_metadata(pkg, role, precision, experts, graph, weights_sha, model, sparse_dispatch if sparse else None)
+        data = export_one(graph, path, opset, dynamic_batch, meta, external_data, sparse)
+        ops = op_inventory(path)
+        if "Einsum" in ops and sparse_dispatch != "einsum":
+            path.unlink(missing_ok=True)
+            raise ExportError(f"{path}: the exported graph contains {ops['Einsum']} Einsum node(s); refusing to write it")
+        _check(path)
+        form = f", {sparse_dispatch} sparse dispatch" if sparse else ""
+        log(f"wrote {path} ({role}, opset {opset}, {precision}, experts {experts}{form}, {sum(ops.values())} nodes, "
+            f"{'external data ' + data.name if data else 'weights inline'}, {time.perf_counter() - t0:.1f}s)")
+        results = verify(path, graph, reference_graphs[role], precision, batches, vocab, providers)
+        for r in results:
+            log(r.line())
+        failed = [r for r in results if not r.ok]
+        if failed:
+            path.unlink(missing_ok=True)
+            if data:
+                data.unlink(missing_ok=True)
+            raise ExportError(f"{path}: verification failed ({failed[0].line()}); the file was removed")
+        written.append(ExportedFile(role, path, data, ops, results))
+    if structure_out is not None:
+        write_structure_entry(written, export_model, Path(structure_out))
+    return written
+
+
+def _prepared(package, opset: int, precision: str, experts: str, towers: str, routing: bool, sparse_dispatch: str,
+              out) -> tuple:
+    """What an export and a binding both start from: the package, its float32 reference model and
+    graphs, the module exported (``precision``, the experts' form, the sparse dispatch), its graphs
+    and their output paths."""
     if opset not in SUPPORTED_OPSETS:
         raise ExportError(f"unsupported opset {opset}: use {SUPPORTED_OPSETS.start}..{SUPPORTED_OPSETS.stop - 1}")
     if precision not in DTYPES:
@@ -585,7 +630,7 @@ def export_onnx(
         raise ExportError(f"unknown experts form {experts!r}: use per-expert or batched")
     if sparse_dispatch not in ("fused", "capacity", "einsum"):
         raise ExportError(f"unknown sparse dispatch {sparse_dispatch!r}: use fused, capacity or einsum")
-    providers = _verify_providers(precision)
+    _verify_providers(precision)
     package = Path(package)
     if not package.exists():
         raise ExportError(f"model package not found: {package}")
@@ -611,25 +656,62 @@ def export_onnx(
     if "two-tower" in graphs:
         keep = {"both": ["two-tower", "image", "text"], "combined": ["two-tower"], "split": ["image", "text"]}[towers]
         graphs = {k: v for k, v in graphs.items() if k in keep or k == "routing"}
-    paths = _out_paths(out, list(graphs))
-    weights_sha = _weights_sha(pkg)  # once: the weights file can be gigabytes
+    return pkg, model, reference_graphs, export_model, graphs, _out_paths(out, list(graphs))
+
+
+def write_structure_entry(written: list[ExportedFile], module: torch.nn.Module, out: Path) -> None:
+    """The exported graphs as structure (``export.binding``) into ``out``: each graph without its
+    weight data and ``recipe.json`` (per file, its recipe; or why it cannot be bound)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = binding.model_tensors(module)
+    recipes: dict[str, dict] = {}
+    for f in written:
+        recipe, why = binding.recipe_for(f.path, tensors)
+        if recipe is None:
+            recipes = {"unbindable": why}
+            break
+        binding.write_structure(f.path, recipe, out / f.path.name)
+        recipes[f.path.name] = {"role": f.role, "external": f.external_data is not None, "steps": recipe}
+    if "unbindable" in recipes:
+        for f in written:
+            (out / f.path.name).unlink(missing_ok=True)
+    binding.write_recipe(recipes, out / binding.RECIPE)
+
+
+def bind_onnx(package: str | Path, structure: Path, out: str | Path, *, opset: int = DEFAULT_OPSET,
+              dynamic_batch: bool = True, precision: Precision = "fp32", experts: ExpertsForm = "per-expert",
+              towers: Literal["both", "combined", "split"] = "split", verify_batches: tuple[int, ...] = (1, 4),
+              routing: bool = False, sparse_dispatch: SparseDispatch = "fused", log=print) -> list[ExportedFile]:
+    """``export_onnx``'s graphs for ``package`` without exporting: its weights bound into the
+    structure another package of the same structure was exported to (``structure``: a directory
+    ``write_structure_entry`` wrote), then verified against PyTorch on these weights as an
+    export is (same batches, same tolerances, sparse graphs among other batch-mates).
+
+    Raises:
+        ExportError: the structure cannot be bound (its recipe says why, or a graph of another
+            role or shape is asked for), or a bound graph fails verification (its files removed).
+    """
+    recipes = json.loads((Path(structure) / binding.RECIPE).read_text())
+    if "unbindable" in recipes:
+        raise ExportError(f"the structure cannot take other weights: {recipes['unbindable']}")
+    prep = _prepared(package, opset, precision, experts, towers, routing, sparse_dispatch, out)
+    pkg, model, reference_graphs, export_model, graphs, paths = prep
+    sparse = bool(sparse_moe_layers(model))
+    providers = _verify_providers(precision)
+    by_role = {r["role"]: (name, r) for name, r in recipes.items()}
+    if set(by_role) != set(graphs):
+        raise ExportError(f"the structure holds graphs {sorted(by_role)}, this export needs {sorted(graphs)}")
+    tensors = binding.model_tensors(export_model)
+    weights_sha = _weights_sha(pkg)
     vocab = getattr(getattr(model.cfg, "text", None), "vocab_size", 2)
     batches = verify_batches if dynamic_batch else (2,)
-
     written: list[ExportedFile] = []
     for role, graph in graphs.items():
+        name, recipe = by_role[role]
         path = paths[role]
-        t0 = time.perf_counter()
-        meta = _metadata(pkg, role, precision, experts, graph, weights_sha, model, sparse_dispatch if sparse else None)
-        data = export_one(graph, path, opset, dynamic_batch, meta, external_data, sparse)
-        ops = op_inventory(path)
-        if "Einsum" in ops and sparse_dispatch != "einsum":
-            path.unlink(missing_ok=True)
-            raise ExportError(f"{path}: the exported graph contains {ops['Einsum']} Einsum node(s); refusing to write it")
-        _check(path)
-        form = f", {sparse_dispatch} sparse dispatch" if sparse else ""
-        log(f"wrote {path} ({role}, opset {opset}, {precision}, experts {experts}{form}, {sum(ops.values())} nodes, "
-            f"{'external data ' + data.name if data else 'weights inline'}, {time.perf_counter() - t0:.1f}s)")
+        meta = graph_metadata(pkg, role, precision, experts, graph, weights_sha, model,
+                              sparse_dispatch if sparse else None)
+        data = binding.bind(Path(structure) / name, recipe["steps"], tensors, path, meta, recipe["external"])
         results = verify(path, graph, reference_graphs[role], precision, batches, vocab, providers)
         for r in results:
             log(r.line())
@@ -638,8 +720,8 @@ def export_onnx(
             path.unlink(missing_ok=True)
             if data:
                 data.unlink(missing_ok=True)
-            raise ExportError(f"{path}: verification failed ({failed[0].line()}); the file was removed")
-        written.append(ExportedFile(role, path, data, ops, results))
+            raise ExportError(f"{path}: the bound graph failed verification ({failed[0].line()}); the file was removed")
+        written.append(ExportedFile(role, path, data, op_inventory(path), results))
     return written
 
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
-from export import cache
+from export import binding, cache
 from export import onnx as exporter
 from export.errors import ExportError
 from export.onnx import read_metadata
@@ -41,9 +43,10 @@ def cache_root(cache_dir: str) -> Path:
 # Bumped whenever the exported graph changes for the same inputs (e.g. LayerNorm held in fp32 under
 # fp16): the cache key covers the exporter's code, not only its version number.
 # 3: token means (gap pooling) as MatMuls, so batch shape 1 is provable (export/onnx.py).
+# 5: the graphs of a structure are exported once and other packages' weights bound into them.
 # 4: sparse Tokens Choice computes the routed rows only, Experts Choice runs per-expert Gemms, every
 #    sparse export is verified among other batch-mates, and bf16 dispatch is held to its bound.
-GRAPH_FORMAT = 4
+GRAPH_FORMAT = 5
 
 # Packages whose weights are at least this large are exported in a child process: all of them, so
 # that a first start ends where a cached one does. Exporting in the server's own process left it
@@ -58,6 +61,10 @@ EXPORT_IN_CHILD_BYTES = 0
 # at nice 19 those seconds wait for CPU a busy server never leaves (digits, 12 CPU-seconds: a
 # reload under 16 closed-loop clients took 244 s at nice 19).
 LOW_PRIORITY_EXPORT_BYTES = 256 * 2**20
+# Packages whose weights are at least this large have their weights bound in a child process too
+# (export.binding: the module and the graph's proto held at once); a small one's binding is a
+# fraction of a child's imports and runs in the server's process.
+BIND_IN_CHILD_BYTES = LOW_PRIORITY_EXPORT_BYTES
 ROUTING_OUTPUTS = frozenset(SOFT_ROUTING_OUTPUTS) | frozenset(SPARSE_ROUTING_OUTPUTS)  # a routing graph's, after the plain ones
 
 
@@ -72,6 +79,12 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     batch sizes and the device that verified it. The entry is built in a temp dir under a file
     lock, published whole, and hash-checked at every start (``export.cache``): a corrupt or
     partial entry is rebuilt, never served.
+
+    An entry's graphs come from the structure of the package (``cache.package_structure``; its own
+    entry under ``onnx-structure``): the first package of a structure is exported and its graphs
+    kept without their weights (``export.binding``); every other package of it has its weights
+    bound into them and verified against PyTorch (``export.onnx.bind_onnx``), in seconds where an
+    export takes minutes. A binding that fails verification is logged and the package exported.
     """
     import onnxruntime
 
@@ -91,31 +104,80 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
         **{k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()},
     }
 
+    # The same graphs for every package of this structure (export.binding): exported once, then
+    # each new package's weights are bound into them and verified.
+    structure_inputs = {**inputs, "artifact": "onnx-structure", "package": cache.package_structure(package)}
+    structure_root, structure_key = cache_root(cache_dir) / "onnx-structure", cache.cache_key(structure_inputs)
+
     def build(tmp: Path) -> list[str]:
         child = _weight_bytes(package) >= EXPORT_IN_CHILD_BYTES
+        found = cache.lookup(structure_root, structure_key, log=log)
+        if found is not None and found.meta.get("bindable"):
+            started = time.perf_counter()
+            log(f"binding {package}'s weights into {found.path} (graphs of the same structure) and verifying them")
+            try:
+                names = _in_child("bind", package, tmp / "model.onnx", settings, found.path) \
+                    if _weight_bytes(package) >= BIND_IN_CHILD_BYTES else \
+                    [f.path.name for f in exporter.bind_onnx(package, found.path, tmp / "model.onnx",
+                                                             log=logging.getLogger("softmoe.export").debug, **settings)]
+                log(f"bound and verified in {time.perf_counter() - started:.1f} s")
+                return names
+            except ExportError as e:
+                log(f"binding failed ({e}); exporting instead")
+                for f in tmp.iterdir():
+                    f.unlink()
+        elif found is not None:
+            log(f"{found.path}: {found.meta.get('why')}; exporting")
+        started = time.perf_counter()
         log(f"exporting {package} to ONNX ({precision}, {experts} experts) and verifying it"
             + (" in a child process" if child else ""))
+        staging = tmp / ".structure"
         if child:
-            return _export_in_child(package, tmp / "model.onnx", settings)
-        detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
-        files = exporter.export_onnx(package, tmp / "model.onnx", log=detail, **settings)  # raises unless verified
-        return [f.path.name for f in files]
+            names = _in_child("export", package, tmp / "model.onnx", settings, staging)
+        else:
+            detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
+            files = exporter.export_onnx(package, tmp / "model.onnx", log=detail, structure_out=staging,
+                                         **settings)  # raises unless verified
+            names = [f.path.name for f in files]
+        log(f"exported and verified in {time.perf_counter() - started:.1f} s")
+        _publish_structure(structure_root, structure_key, staging, structure_inputs, log)
+        return names
 
     entry = cache.build(cache_root(cache_dir) / "onnx", cache.cache_key(inputs), build, inputs=inputs, log=log)
-    log(f"{'exported' if entry.built else 'reusing'} {entry.path} (hash-checked)")
+    log(f"{'built' if entry.built else 'reusing'} {entry.path} (hash-checked)")
     return [entry.files[name] for name in entry.meta if not name.endswith(".routing.onnx")]
+
+
+def _publish_structure(root: Path, key: str, staging: Path, inputs: dict, log) -> None:
+    """The structure an export wrote into ``staging`` (``export.onnx.write_structure_entry``), as
+    its own cache entry; ``staging`` is emptied and removed either way."""
+    recipe = json.loads((staging / binding.RECIPE).read_text())
+    why = recipe.get("unbindable")
+
+    def move(tmp: Path) -> dict:
+        for f in staging.iterdir():
+            shutil.move(str(f), tmp / f.name)
+        return {"bindable": why is None, "why": why or ""}
+
+    try:
+        cache.build(root, key, move, inputs=inputs, log=log)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _weight_bytes(package: Path) -> int:
     return sum(f.stat().st_size for f in Path(package).glob("*.safetensors"))
 
 
-def _export_in_child(package: Path, out: Path, settings: dict) -> list[str]:
-    """``export_onnx`` in a child interpreter (``python -c``, not multiprocessing, which would
-    re-run an unguarded main script): its memory goes back to the OS when it exits. Returns the
-    file names it wrote; its failure, or its death (killed for memory), is one ``ExportError``."""
+def _in_child(mode: str, package: Path, out: Path, settings: dict, structure: Path) -> list[str]:
+    """``export_onnx`` (``mode`` export, writing the structure into ``structure``) or ``bind_onnx``
+    (``mode`` bind, from ``structure``) in a child interpreter (``python -c``, not multiprocessing,
+    which would re-run an unguarded main script): its memory goes back to the OS when it exits.
+    Returns the file names it wrote; its failure, or its death (killed for memory), is one
+    ``ExportError``."""
     nice = 19 if _weight_bytes(package) >= LOW_PRIORITY_EXPORT_BYTES else 0
-    args = json.dumps({"package": str(package), "out": str(out), "settings": settings, "nice": nice})
+    args = json.dumps({"mode": mode, "package": str(package), "out": str(out), "settings": settings, "nice": nice,
+                       "structure": str(structure)})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
     r = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True, text=True,
                        stdin=subprocess.DEVNULL, env=env)
@@ -124,18 +186,22 @@ def _export_in_child(package: Path, out: Path, settings: dict) -> list[str]:
     lines = r.stderr.strip().splitlines()
     why = lines[-1] if lines else ""
     if r.returncode < 0 or not why:
-        why = f"the export process died (exit status {r.returncode}; out of memory?)"
-    raise ExportError(f"exporting {package} to ONNX: {why}")
+        why = f"the {mode} process died (exit status {r.returncode}; out of memory?)"
+    raise ExportError(f"{'exporting' if mode == 'export' else 'binding'} {package} to ONNX: {why}")
 
 
-# The child's side: export, verify, print the file names as JSON; any error is its last stderr line.
+# The child's side: export (or bind), verify, print the file names as JSON; any error is its last stderr line.
 _CHILD = """
 import json, os, sys
 args = json.loads(sys.argv[1])
 os.nice(args["nice"])
 try:
-    from export.onnx import export_onnx
-    files = export_onnx(args["package"], args["out"], log=lambda *a: None, **args["settings"])
+    from export.onnx import bind_onnx, export_onnx
+    if args["mode"] == "bind":
+        files = bind_onnx(args["package"], args["structure"], args["out"], log=lambda *a: None, **args["settings"])
+    else:
+        files = export_onnx(args["package"], args["out"], log=lambda *a: None, structure_out=args["structure"],
+                            **args["settings"])
 except Exception as e:
     print(f"{type(e).__name__}: {' '.join(str(e).split())}"[:500], file=sys.stderr)
     sys.exit(2)

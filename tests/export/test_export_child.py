@@ -47,14 +47,14 @@ def test_child_export_is_the_in_process_export(monkeypatch, pkg, tmp_path):
 
 def test_child_errors_come_back_as_they_are(pkg, tmp_path):
     with pytest.raises(ExportError, match="unsupported opset 3"):
-        ob._export_in_child(pkg, tmp_path / "model.onnx", {"opset": 3})
+        ob._in_child("export", pkg, tmp_path / "model.onnx", {"opset": 3}, tmp_path / "s")
 
 
 def test_a_child_that_dies_is_an_export_error(monkeypatch, pkg, tmp_path):
     # The kernel's OOM killer sends SIGKILL: the same death, without using up the memory.
     monkeypatch.setattr(ob, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     with pytest.raises(ExportError, match=r"the export process died \(exit status -9"):
-        ob._export_in_child(pkg, tmp_path / "model.onnx", {})
+        ob._in_child("export", pkg, tmp_path / "model.onnx", {}, tmp_path / "s")
 
 
 def test_a_large_package_exports_at_the_lowest_priority_and_a_small_one_at_the_servers(monkeypatch, pkg, tmp_path):
@@ -65,9 +65,9 @@ def test_a_large_package_exports_at_the_lowest_priority_and_a_small_one_at_the_s
     monkeypatch.setattr(ob, "_CHILD", preamble + "print(json.dumps([os.nice(0)]))")
     mine = os.nice(0)
     monkeypatch.setattr(ob, "LOW_PRIORITY_EXPORT_BYTES", 1)
-    assert ob._export_in_child(pkg, tmp_path / "model.onnx", {}) == [19]
+    assert ob._in_child("export", pkg, tmp_path / "model.onnx", {}, tmp_path / "s") == [19]
     monkeypatch.setattr(ob, "LOW_PRIORITY_EXPORT_BYTES", 1 << 62)
-    assert ob._export_in_child(pkg, tmp_path / "model.onnx", {}) == [mine]
+    assert ob._in_child("export", pkg, tmp_path / "model.onnx", {}, tmp_path / "s") == [mine]
 
 
 def test_export_memory_bench_runs(tmp_path):
