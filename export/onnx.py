@@ -602,19 +602,27 @@ def export_onnx(
         form = f", {sparse_dispatch} sparse dispatch" if sparse else ""
         log(f"wrote {path} ({role}, opset {opset}, {precision}, experts {experts}{form}, {sum(ops.values())} nodes, "
             f"{'external data ' + data.name if data else 'weights inline'}, {time.perf_counter() - t0:.1f}s)")
-        results = verify(path, graph, reference_graphs[role], precision, batches, vocab, providers)
-        for r in results:
-            log(r.line())
-        failed = [r for r in results if not r.ok]
-        if failed:
-            path.unlink(missing_ok=True)
-            if data:
-                data.unlink(missing_ok=True)
-            raise ExportError(f"{path}: verification failed ({failed[0].line()}); the file was removed")
+        results = _verified(path, data, graph, reference_graphs[role], precision, batches, vocab, providers, log)
         written.append(ExportedFile(role, path, data, ops, results))
     if structure_out is not None:
         write_structure_entry(written, export_model, Path(structure_out))
     return written
+
+
+def _verified(path: Path, data: Path | None, graph: Graph, reference: Graph, precision: str, batches: tuple[int, ...],
+              vocab: int, providers: list[str] | None, log, what: str = "verification failed") -> list[Verification]:
+    """``verify``'s results for a written graph, each logged; a graph that fails is removed (its
+    external data too) and raised as ``ExportError`` naming ``what`` and the first failure."""
+    results = verify(path, graph, reference, precision, batches, vocab, providers)
+    for r in results:
+        log(r.line())
+    failed = [r for r in results if not r.ok]
+    if failed:
+        path.unlink(missing_ok=True)
+        if data:
+            data.unlink(missing_ok=True)
+        raise ExportError(f"{path}: {what} ({failed[0].line()}); the file was removed")
+    return results
 
 
 def _prepared(package, opset: int, precision: str, experts: str, towers: str, routing: bool, sparse_dispatch: str,
@@ -712,15 +720,8 @@ def bind_onnx(package: str | Path, structure: Path, out: str | Path, *, opset: i
         meta = graph_metadata(pkg, role, precision, experts, graph, weights_sha, model,
                               sparse_dispatch if sparse else None)
         data = binding.bind(Path(structure) / name, recipe["steps"], tensors, path, meta, recipe["external"])
-        results = verify(path, graph, reference_graphs[role], precision, batches, vocab, providers)
-        for r in results:
-            log(r.line())
-        failed = [r for r in results if not r.ok]
-        if failed:
-            path.unlink(missing_ok=True)
-            if data:
-                data.unlink(missing_ok=True)
-            raise ExportError(f"{path}: the bound graph failed verification ({failed[0].line()}); the file was removed")
+        results = _verified(path, data, graph, reference_graphs[role], precision, batches, vocab, providers, log,
+                            what="the bound graph failed verification")
         written.append(ExportedFile(role, path, data, op_inventory(path), results))
     return written
 
