@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ExportError
+from .phases import phase
 from .runtime import at_low_priority
 
 MANIFEST = "manifest.json"
@@ -53,6 +54,10 @@ Builder = Callable[[Path], Any]
 
 class CacheError(ExportError):
     """A cache entry could not be built or published."""
+
+
+class ReadOnlyCache(CacheError):
+    """An entry is missing or unusable, and the cache cannot be written to build it (a read-only volume)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,8 @@ def cache_key(inputs: dict[str, Any]) -> str:
 
 
 def file_sha256(path: str | Path) -> str:
-    return at_low_priority(_sha256, Path(path), False)
+    with phase("hash"):
+        return at_low_priority(_sha256, Path(path), False)
 
 
 def _sha256(path: Path, fsync: bool) -> str:
@@ -149,6 +155,27 @@ def cpu_identity() -> str:
     return f"cpu-{platform.machine() or 'unknown'}"
 
 
+def machine_identity() -> dict[str, Any]:
+    """The kind of machine a measurement or a proof holds on: the CPU's model name, a digest of its
+    feature flags (two CPUs of one name may differ in them, and the kernels chosen follow the
+    flags), its architecture and the CPUs this process may use. Read from ``/proc/cpuinfo``; where
+    that is missing, the architecture and ``platform.processor()``."""
+    name, flags = platform.processor() or "unknown", ""
+    try:
+        info = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        info = ""
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key in ("model name", "Model", "cpu model") and name in ("unknown", platform.processor()):
+            name = value.strip() or name
+        elif key in ("flags", "Features") and not flags:
+            flags = hashlib.sha256(" ".join(sorted(value.split())).encode()).hexdigest()[:16]
+    return {"cpu": name, "flags": flags, "arch": platform.machine() or "unknown",
+            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1}
+
+
 def cuda_identity() -> str:
     """``cuda-<GPU name>-<compute capability>`` of CUDA device 0 (``cuda-none`` without one)."""
     import torch
@@ -191,15 +218,15 @@ def build(root: str | Path, key: str, builder: Builder, *, inputs: dict[str, Any
     root = Path(root)
     if not _KEY.fullmatch(key):
         raise CacheError(f"cache key {key!r} is not a plain file name")
-    found = lookup(root, key, log=lambda *_: None)  # the locked pass below reports the reason
+    found, reason = _check(root / key, key)  # the locked pass below reports the reason
     if found is not None:
         return found
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = os.open(root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as e:
-        raise CacheError(f"cannot write the cache at {root} ({e.strerror}): point --cache-dir or "
-                         "SOFTMOE_CACHE_DIR at a writable directory") from None
+        raise ReadOnlyCache(f"the cache at {root} cannot be written ({e.strerror}) and its entry {key} is "
+                            f"{reason or 'missing'}") from None
     with _locked(lock, root / key, log):
         _remove_stale(root, key, log)
         final = root / key
@@ -296,7 +323,8 @@ def _manifest_sha(manifest: dict[str, Any]) -> str:
 
 
 def _hash_and_fsync(path: Path) -> str:
-    return at_low_priority(_sha256, path, True)
+    with phase("hash"):
+        return at_low_priority(_sha256, path, True)
 
 
 def _fsync_dir(path: Path) -> None:

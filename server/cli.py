@@ -18,6 +18,9 @@ import os
 import re
 import sys
 
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
 from server.settings import Settings
 
 ENV_PREFIX = str(Settings.model_config.get("env_prefix") or "")
@@ -101,9 +104,6 @@ def _fail(message: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from pydantic import ValidationError
-    from pydantic_settings import SettingsError
-
     from server.run import StartupError, serve
 
     try:
@@ -118,6 +118,28 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SystemExit(130) from None
 
 
+def cmd_prepare(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from server.engine.prepare import prepare
+    from server.engine.startup import StartupError, describe
+    from server.observability import logs
+
+    try:
+        settings = settings_from_args(args)
+    except (ValidationError, SettingsError) as e:
+        _fail(describe_settings_error(e, args))
+    logs.configure(uvicorn.config.LOG_LEVELS.get(settings.log_level.lower(), 20), settings.log_format)
+    try:
+        prepare(settings)
+    except StartupError as e:
+        _fail(one_line(str(e)))
+    except Exception as e:  # noqa: BLE001 - a model that cannot load: one line, as serve says it
+        _fail(one_line(describe(e)))
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+
+
 def user_errors() -> tuple[type[BaseException], ...]:
     """The dataset jobs' (``serve`` turns its own errors into the one ``error:`` line, ``cmd_serve``)."""
     from server.jobs import cli as jobs_cli
@@ -126,7 +148,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Add ``serve`` (one flag per Settings field), ``eval`` and ``embed`` to ``softmoe``."""
+    """Add ``serve`` and ``prepare`` (one flag per Settings field each), ``eval`` and ``embed`` to ``softmoe``."""
     p = sub.add_parser(
         "serve", help="serve models over HTTP (see README for the endpoints)",
         description="Serve models over HTTP. Every flag is also a SOFTMOE_* environment variable; flags win.",
@@ -135,6 +157,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", dest="models", action="append", default=argparse.SUPPRESS, metavar=MODEL_METAVAR,
                    help=f"same as --models [env {env_of('models')}]")
     p.set_defaults(func=cmd_serve, settings_source=source)
+
+    p = sub.add_parser(
+        "prepare", help="build what serving needs (graphs, engines, start-up proofs) into the cache, then exit",
+        description="Load the models as `softmoe serve` with the same flags would, building every artifact into "
+                    "--cache-dir (ONNX graphs or bound weights, TensorRT engines, the start-up proofs of this kind "
+                    "of machine), and exit without serving. A server with the same flags and cache then exports "
+                    "and proves nothing, and may read the cache from a read-only volume.",
+    )
+    source = settings_source(p)
+    p.add_argument("--model", dest="models", action="append", default=argparse.SUPPRESS, metavar=MODEL_METAVAR,
+                   help=f"same as --models [env {env_of('models')}]")
+    p.set_defaults(func=cmd_prepare, settings_source=source)
 
     from server.jobs import cli as jobs_cli  # eval and embed: the served numerics over a dataset
 

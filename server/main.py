@@ -33,8 +33,8 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def usage() -> str:
-    """The usage line of every subcommand except ``serve`` (whose flags are Settings' fields: see
-    ``softmoe serve --help``), as argparse prints it. docs/cli.md quotes this text, and
+    """The usage line of every subcommand except ``serve`` and ``prepare`` (whose flags are Settings'
+    fields: see ``softmoe serve --help``), as argparse prints it. docs/cli.md quotes this text, and
     tests/test_cli_docs.py checks that it still does, so the flags are declared in one place."""
     import argparse
 
@@ -46,7 +46,7 @@ def usage() -> str:
             lines.append(parser.format_usage().removeprefix("usage: ").rstrip())
             return
         for name, child in subs[0].choices.items():
-            if child.prog.split()[1:2] != ["serve"]:
+            if child.prog.split()[1:2] not in (["serve"], ["prepare"]):
                 walk(child)
 
     import os

@@ -132,6 +132,11 @@ class Metrics:
             "softmoe_model_load_duration_seconds", "Time to load a model: package, backend, export or cache, "
             "proofs and warm-up, until it takes traffic", ["model"], buckets=LOAD_BUCKETS, registry=r,
         )
+        self.model_load_phase_duration = Histogram(
+            "softmoe_model_load_phase_duration_seconds", "Time a successful model load spent in each phase: hash "
+            "(reading and checking files), export or bind (graphs built, or weights bound into a cached graph), "
+            "session (the backend set up), proofs, warm-up", ["model", "phase"], buckets=LOAD_BUCKETS, registry=r,
+        )
         # --otlp-endpoint: spans handed to the OTLP exporter, by outcome (both 0 with tracing off).
         self.trace_spans_exported = Counter(
             "softmoe_trace_spans_exported_total", "Trace spans the OTLP exporter delivered", registry=r)

@@ -18,8 +18,8 @@ def test_docs_quote_the_parsers_usage():
     assert m.group(1) == usage(), "docs/cli.md is stale: paste the output of `python -m server.main --usage`"
 
 
-def test_usage_names_every_subcommand_but_serve():
+def test_usage_names_every_subcommand_but_serve_and_prepare():
     text = usage()
     for cmd in ("models", "convert", "init", "train-demo", "eval", "export onnx", "export tensorrt"):
         assert f"softmoe {cmd} [-h]" in text, cmd
-    assert "softmoe serve" not in text
+    assert "softmoe serve" not in text and "softmoe prepare" not in text

@@ -23,6 +23,7 @@ from export import binding, cache
 from export import onnx as exporter
 from export.errors import ExportError
 from export.onnx import read_metadata
+from export.phases import phase
 from export.runtime import ort_session, structure_digest
 
 from softmoe_models.routing import OUTPUTS as SOFT_ROUTING_OUTPUTS
@@ -116,10 +117,12 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
             started = time.perf_counter()
             log(f"binding {package}'s weights into {found.path} (graphs of the same structure) and verifying them")
             try:
-                names = _in_child("bind", package, tmp / "model.onnx", settings, found.path) \
-                    if _weight_bytes(package) >= BIND_IN_CHILD_BYTES else \
-                    [f.path.name for f in exporter.bind_onnx(package, found.path, tmp / "model.onnx",
-                                                             log=logging.getLogger("softmoe.export").debug, **settings)]
+                with phase("bind"):
+                    names = _in_child("bind", package, tmp / "model.onnx", settings, found.path) \
+                        if _weight_bytes(package) >= BIND_IN_CHILD_BYTES else \
+                        [f.path.name for f in exporter.bind_onnx(package, found.path, tmp / "model.onnx",
+                                                                 log=logging.getLogger("softmoe.export").debug,
+                                                                 **settings)]
                 log(f"bound and verified in {time.perf_counter() - started:.1f} s")
                 return names
             except ExportError as e:
@@ -132,18 +135,23 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
         log(f"exporting {package} to ONNX ({precision}, {experts} experts) and verifying it"
             + (" in a child process" if child else ""))
         staging = tmp / ".structure"
-        if child:
-            names = _in_child("export", package, tmp / "model.onnx", settings, staging)
-        else:
-            detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
-            files = exporter.export_onnx(package, tmp / "model.onnx", log=detail, structure_out=staging,
-                                         **settings)  # raises unless verified
-            names = [f.path.name for f in files]
+        with phase("export"):
+            if child:
+                names = _in_child("export", package, tmp / "model.onnx", settings, staging)
+            else:
+                detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
+                files = exporter.export_onnx(package, tmp / "model.onnx", log=detail, structure_out=staging,
+                                             **settings)  # raises unless verified
+                names = [f.path.name for f in files]
         log(f"exported and verified in {time.perf_counter() - started:.1f} s")
         _publish_structure(structure_root, structure_key, staging, structure_inputs, log)
         return names
 
-    entry = cache.build(cache_root(cache_dir) / "onnx", cache.cache_key(inputs), build, inputs=inputs, log=log)
+    try:
+        entry = cache.build(cache_root(cache_dir) / "onnx", cache.cache_key(inputs), build, inputs=inputs, log=log)
+    except cache.ReadOnlyCache as e:
+        raise cache.ReadOnlyCache(f"{package}: {e}; prepare it where the cache is writable, with the same settings: "
+                                  f"softmoe prepare --model {package} --cache-dir {cache_root(cache_dir)}") from None
     log(f"{'built' if entry.built else 'reusing'} {entry.path} (hash-checked)")
     return [entry.files[name] for name in entry.meta if not name.endswith(".routing.onnx")]
 

@@ -29,9 +29,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from export.phases import Phases, recording
 from server.batching.batcher import Batcher
 from server.engine.models import ServedModel, apply_jpeg_draft, attach_queues, load_served_model
-from server.engine.proofs import warmup
+from server.engine.proofs import load_summary, warmup
 from server.engine.startup import describe
 from server.errors import Conflict, ModelLoadError
 from server.metrics import Metrics
@@ -54,10 +55,15 @@ class ModelStatus:
     state: str = UNAVAILABLE
     reason: str = ""  # why it is not READY, or why its last load failed
     source: str = ""  # where the serving version was loaded from
+    loading: Phases | None = None  # the phases of the load under way, while state is LOADING
 
     def entry(self) -> dict:
+        reason = self.reason
+        now = self.loading.now() if self.state == LOADING and self.loading is not None else None
+        if now is not None:  # where the load is: "loading: export, 12 s so far"
+            reason = f"loading: {now[0]}, {now[1]:.0f} s so far"
         return {"name": self.name, "version": str(self.version) if self.version else "", "state": self.state,
-                "reason": self.reason}
+                "reason": reason}
 
 
 class Engine:
@@ -122,19 +128,17 @@ class Engine:
         for m in models:
             self.attach(m)
             self.models[m.name] = m
-            self.status[m.name] = ModelStatus(m.name, state=LOADING, source=m.source)
+            self.status[m.name] = ModelStatus(m.name, state=LOADING, source=m.source, loading=m.phases)
 
     def warm(self, model: ServedModel) -> None:
         """Warm-up and start-up proofs, then the model takes traffic."""
-        started = time.perf_counter()
-        warmup(model, self.settings, self.say)
+        warmup(model, self.settings, self.say)  # adds its time to model.opened_s
         model.ready = True
         self.metrics.model_ready.labels(model.name).set(1)
         status = self.status.setdefault(model.name, ModelStatus(model.name, source=model.source))
-        status.version, status.state, status.reason = status.version + 1, READY, ""
+        status.version, status.state, status.reason, status.loading = status.version + 1, READY, "", None
         if not self.mirror:
-            self.metrics.model_load_duration.labels(model.name).observe(model.opened_s + time.perf_counter() - started)
-            self.metrics.model_loads.labels(model.name, "success").inc()
+            self._loaded(model, model.opened_s)
 
     def start(self) -> None:
         self.batcher.start()
@@ -154,6 +158,7 @@ class Engine:
             started = time.perf_counter()
             old = self.models.get(name)
             status = self.status.setdefault(name, ModelStatus(name))
+            status.loading = Phases()
             if old is None:
                 status.state, status.reason = LOADING, ""
             try:
@@ -163,8 +168,10 @@ class Engine:
                         self._take_down(name, old, "unloaded before loading its next version (unload_first)")
                         old = None
                         status.state = LOADING
-                model = self._build(name, spec, old)
+                with recording(status.loading):
+                    model = self._build(name, spec, old)
             except Exception as e:
+                status.loading = None
                 text = e.message if isinstance(e, Conflict) else describe(e)
                 status.reason = f"load failed: {text}"
                 if old is None:
@@ -177,13 +184,13 @@ class Engine:
                 raise ModelLoadError(text) from None
             self.models[name] = model  # from here every request picks the new version
             status.version, status.state, status.reason, status.source = status.version + 1, READY, "", model.source
+            status.loading = None
             elapsed = time.perf_counter() - started
-            self.metrics.model_loads.labels(name, "success").inc()
-            self.metrics.model_load_duration.labels(name).observe(elapsed)
+            self._loaded(model, elapsed)
             self.metrics.model_ready.labels(name).set(1)
-            log.info("model %s: version %d from %s serves (%s, %s) after %.1f s%s", name, status.version, model.source,
-                     model.backend.name, model.backend.describe().get("device", self.settings.device), elapsed,
-                     "; the previous version drains" if old is not None else "")
+            log.info("model %s: version %d from %s serves (%s, %s) after %.1f s (%s)%s", name, status.version,
+                     model.source, model.backend.name, model.backend.describe().get("device", self.settings.device),
+                     elapsed, load_summary(model), "; the previous version drains" if old is not None else "")
             if old is not None:
                 self._retire_later(old)
             return model
@@ -220,6 +227,13 @@ class Engine:
                 m.backend.close()
 
     # ------------------------------------------------------------------ inside
+
+    def _loaded(self, model: ServedModel, seconds: float) -> None:
+        """Count a successful load: its time, and the time of each of its phases."""
+        self.metrics.model_loads.labels(model.name, "success").inc()
+        self.metrics.model_load_duration.labels(model.name).observe(seconds)
+        for name, spent in model.phases.ordered():
+            self.metrics.model_load_phase_duration.labels(model.name, name).observe(spent)
 
     @contextlib.contextmanager
     def _claim(self, name: str):

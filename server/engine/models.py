@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from export.onnx import read_metadata
+from export.phases import Phases, current, phase, recording
 from softmoe_models import routing as routing_lib
 from softmoe_models.package import read_package
 from softmoe_models.preprocess import PreprocessConfig
@@ -184,7 +185,9 @@ class ServedModel:
     routing: RoutingState | None = None  # image models with Soft MoE layers (--routing)
     ready: bool = False
     opened_s: float = 0.0  # seconds its package took to open (backend, export or cache): part of its load time
+    phases: Phases = field(default_factory=Phases)  # where its load time went (export.phases)
     inherited: bool = False  # its start-up findings are those of the version it replaced (proofs.carries)
+    proofs_from: str = ""  # the cache entry its start-up findings were read from (proof_cache), if any
 
     def can(self, fn: str) -> bool:
         return fn in self.backend.functions or (fn == ROUTING and self.routing is not None)
@@ -212,10 +215,12 @@ def load_served_model(spec: str, settings: Settings, log=print, background: bool
     """The package (or .onnx) of ``spec`` (``NAME=PATH`` or ``PATH``) on its backend; ModelLoadError
     (one line) when it cannot be served. ``background``: the process serves other batches
     meanwhile, so the backend's set-up runs at the lowest CPU priority where it can (ONNX Runtime
-    on CPU: ``export.runtime.BackgroundBuiltSession``)."""
+    on CPU: ``export.runtime.BackgroundBuiltSession``). Its phases (hash, export or bind, session)
+    are counted in ``ServedModel.phases``."""
     started = time.perf_counter()
-    model = _load_served_model(spec, settings, log, background)
-    model.opened_s = time.perf_counter() - started
+    with recording(current() or Phases()) as record:  # the load's own record, if the engine opened one
+        model = _load_served_model(spec, settings, log, background)
+    model.opened_s, model.phases = time.perf_counter() - started, record
     return model
 
 
@@ -325,20 +330,23 @@ def _backend_for_package(path: Path, settings: Settings, log, background: bool =
 
     precision = resolve_precision(settings.backend, settings.device, settings.precision)
     if settings.backend == "torch":
-        return TorchBackend(path, device=settings.device, precision=precision,
-                            max_batch_size=settings.max_batch_size, threads=backend_threads(settings),
-                            cuda_graphs=settings.cuda_graphs, pinned_staging=settings.pinned_staging,
-                            routing=settings.routing, pixel_transfer=settings.pixel_transfer,
-                            batch_invariant=settings.strict_determinism and settings.proven_shapes)
+        with phase("session"):
+            return TorchBackend(path, device=settings.device, precision=precision,
+                                max_batch_size=settings.max_batch_size, threads=backend_threads(settings),
+                                cuda_graphs=settings.cuda_graphs, pinned_staging=settings.pinned_staging,
+                                routing=settings.routing, pixel_transfer=settings.pixel_transfer,
+                                batch_invariant=settings.strict_determinism and settings.proven_shapes)
     if settings.backend == "onnxruntime":
         files = exported_files(path, settings.cache_dir, precision, log=log, device=settings.device,
                                routing=settings.routing)
-        return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
-                                  threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
-                                  routing=settings.routing, spin=settings.ort_spinning,
-                                  lone_threads=lone_threads(settings), background=background)
-    return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
-                           cache_dir=settings.cache_dir, routing=settings.routing)
+        with phase("session"):
+            return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
+                                      threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
+                                      routing=settings.routing, spin=settings.ort_spinning,
+                                      lone_threads=lone_threads(settings), background=background)
+    with phase("session"):  # a TensorRT engine built, or read from its cache
+        return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
+                               cache_dir=settings.cache_dir, routing=settings.routing)
 
 
 def _from_onnx(name: str, path: Path, settings: Settings, background: bool = False) -> ServedModel:
@@ -360,10 +368,11 @@ def _from_onnx(name: str, path: Path, settings: Settings, background: bool = Fal
     elif meta["graph"] in ("image", "text"):
         stem = path.name[: -len(f".{meta['graph']}.onnx")]
         files = [p for p in (path.with_name(f"{stem}.image.onnx"), path.with_name(f"{stem}.text.onnx")) if p.is_file()]
-    backend = OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
-                                 threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
-                                 routing=settings.routing, spin=settings.ort_spinning,
-                                 lone_threads=lone_threads(settings), background=background)
+    with phase("session"):
+        backend = OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
+                                     threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
+                                     routing=settings.routing, spin=settings.ort_spinning,
+                                     lone_threads=lone_threads(settings), background=background)
     pkg_meta = meta.get("package_config") or {}
     model = ServedModel(
         name=name, kind=meta["kind"], source=str(path), backend=backend,

@@ -9,7 +9,11 @@ A model's next version, loaded while the current one serves, inherits these find
 backend has the same structure (``carries``: the same graphs, weights' values aside, on the same
 runtime, device and threads): they are properties of the kernels run on those shapes on this
 machine, not of the weights' values. Proving them again would cost the served batches a minute of
-CPU on a large model, and the measurement would measure the load more than the model."""
+CPU on a large model, and the measurement would measure the load more than the model.
+
+A start with no serving version reads them from the cache where a start on this kind of machine
+kept them (``proof_cache``), and keeps them there after proving: a prepared cache
+(``softmoe prepare``) starts a server that proves nothing on the machine it was prepared on."""
 
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ import time
 
 import numpy as np
 
+from export.phases import phase, recording
 from server.backends.base import ROUTING, all_functions, structure_of
 from server.errors import ModelLoadError
+from server.engine import proof_cache
 from server.engine.models import ServedModel, backend_threads, total_threads, wide_lone
 from server.settings import Settings
 
@@ -28,27 +34,50 @@ from server.settings import Settings
 def warmup(model: ServedModel, settings: Settings, log=print, serving: ServedModel | None = None) -> None:
     """Every batch shape the server will run: the proven padded shapes (strict) or 1..max (loose);
     then the proofs, whose lines go to the debug log, and one line for ``log`` that says how the
-    model is served (``serving_line``). ``serving``: the version of this model that serves now,
-    whose findings this one inherits when ``carries`` says so (then every shape is warmed once)."""
-    if settings.warmup:
-        detail = logging.getLogger("softmoe.startup").debug
-        if serving is not None and carries(serving, model):
-            inherit(serving, model, settings, detail)
-        else:
-            prove(model, settings, detail)
-    log(serving_line(model, settings))
+    model is served (``serving_line``) and where its load time went (``ServedModel.phases``).
+    ``serving``: the version of this model that serves now, whose findings this one inherits when
+    ``carries`` says so (then every shape is warmed once); without one, the findings kept on this
+    kind of machine (``proof_cache``) are read, or proven and kept."""
+    started = time.perf_counter()
+    with recording(model.phases):
+        if settings.warmup:
+            detail = logging.getLogger("softmoe.startup").debug
+            kept = None if serving is not None and carries(serving, model) else proof_cache.read(model, settings, log)
+            if serving is not None and carries(serving, model):
+                inherit(serving, model, settings, detail)
+            elif kept is not None:
+                adopt(model, kept[0], settings)
+                model.proofs_from = str(kept[1])
+                detail(f"{model.name}: start-up proofs and measurements read from {kept[1]}; every shape warmed")
+            else:
+                prove(model, settings, detail)
+                proof_cache.keep(model, settings, findings(model), log)
+    model.opened_s += time.perf_counter() - started
+    log(f"{serving_line(model, settings)}; ready after {model.opened_s:.1f} s ({load_summary(model)})")
+
+
+def load_summary(model: ServedModel) -> str:
+    """What a load did and where its time went: ``graphs from the cache, proofs from the cache:
+    hash 0.4 s, session 0.9 s, warm-up 0.3 s``."""
+    seconds = dict(model.phases.ordered())
+    graphs = "exported" if "export" in seconds else "weights bound into a cached graph" if "bind" in seconds \
+        else "graphs from the cache" if "session" in seconds and model.backend.name == "onnxruntime" else ""
+    proven = "proven" if "proofs" in seconds else "proofs inherited" if model.inherited \
+        else "proofs from the cache" if model.proofs_from else ""
+    what = ", ".join(p for p in (graphs, proven) if p)
+    return (f"{what}: " if what else "") + (model.phases.summary() or "no phase timed")
 
 
 def prove(model: ServedModel, settings: Settings, log=print) -> None:
     """Every batch shape warmed, then every proof and measurement run on ``model``'s backend."""
-    if settings.strict_determinism:
-        model.backend.warmup([settings.max_batch_size])
-        if settings.proven_shapes:
+    with phase("warm-up"):
+        model.backend.warmup([settings.max_batch_size] if settings.strict_determinism
+                             else sorted({1, 2, settings.max_batch_size}))
+    with phase("proofs"):
+        if settings.strict_determinism and settings.proven_shapes:
             prove_shapes(model, settings.max_batch_size, log)
-    else:
-        model.backend.warmup(sorted({1, 2, settings.max_batch_size}))
-    prove_routing(model, settings, log)
-    check_concurrent_batches(model, settings, log)
+        prove_routing(model, settings, log)
+        check_concurrent_batches(model, settings, log)
 
 
 def carries(serving: ServedModel, model: ServedModel) -> bool:
@@ -60,27 +89,42 @@ def carries(serving: ServedModel, model: ServedModel) -> bool:
 
 
 def inherit(serving: ServedModel, model: ServedModel, settings: Settings, log=print) -> None:
-    """``serving``'s findings for ``model`` (``carries`` holds): the padded shapes each queue runs,
-    whether the routing graph stands in for the plain one and whether calls run beside each other;
-    then every shape of every function run once on ``model``'s backend, so no request meets a
-    cold shape."""
-    for fn, queue in model.queues.items():
-        if fn in serving.queues:
-            queue.shapes = tuple(serving.queues[fn].shapes)
-    model.proven_shapes = dict(serving.proven_shapes)
-    if model.routing is not None and serving.routing is not None:
-        model.routing.shared, model.routing.beside = serving.routing.shared, serving.routing.beside
-        model.routing.why = serving.routing.why
-    rng = np.random.default_rng(0)
-    for fn, spec in all_functions(model.backend).items():
-        queue = model.queues.get(fn)
-        sizes = list(queue.shapes) if settings.strict_determinism and queue is not None \
-            else sorted({1, 2, settings.max_batch_size})
-        for size in sizes:
-            model.backend.run(fn, random_rows(spec, size, rng, model.vocab_size))
+    """``serving``'s findings for ``model`` (``carries`` holds), then every shape warmed (``adopt``)."""
+    adopt(model, findings(serving), settings)
     model.inherited = True
     log(f"{model.name}: the serving version's proofs and measurements hold for this one (the same graphs, "
         f"weights aside, on the same runtime and threads); every shape warmed")
+
+
+def findings(model: ServedModel) -> dict:
+    """What start-up proved and measured of ``model``, as JSON: the padded shapes each queue runs
+    and each function proved, whether the routing graph stands in for the plain one, whether calls
+    run beside each other and why."""
+    state = model.routing
+    return {"shapes": {fn: list(q.shapes) for fn, q in model.queues.items()},
+            "proven_shapes": {fn: list(s) for fn, s in model.proven_shapes.items()},
+            "routing": None if state is None else {"shared": state.shared, "beside": state.beside, "why": state.why}}
+
+
+def adopt(model: ServedModel, found: dict, settings: Settings) -> None:
+    """``found`` (``findings`` of a model of the same structure) as ``model``'s own; then every
+    shape of every function run once on its backend, so no request meets a cold shape."""
+    for fn, queue in model.queues.items():
+        if fn in found["shapes"]:
+            queue.shapes = tuple(int(s) for s in found["shapes"][fn])
+    model.proven_shapes = {fn: tuple(int(s) for s in sizes) for fn, sizes in found["proven_shapes"].items()}
+    routing = found.get("routing")
+    if model.routing is not None and routing is not None:
+        model.routing.shared, model.routing.beside = bool(routing["shared"]), bool(routing["beside"])
+        model.routing.why = str(routing["why"])
+    rng = np.random.default_rng(0)
+    with phase("warm-up"):
+        for fn, spec in all_functions(model.backend).items():
+            queue = model.queues.get(fn)
+            sizes = list(queue.shapes) if settings.strict_determinism and queue is not None \
+                else sorted({1, 2, settings.max_batch_size})
+            for size in sizes:
+                model.backend.run(fn, random_rows(spec, size, rng, model.vocab_size))
 
 
 def serving_line(model: ServedModel, settings: Settings) -> str:
@@ -93,6 +137,8 @@ def serving_line(model: ServedModel, settings: Settings) -> str:
     parts = [f"{model.name}: {where}" + (f" ({precision})" if precision else "")]
     if model.inherited:
         parts.append("start-up findings inherited from the version it replaces (the same graphs, weights aside)")
+    elif model.proofs_from:
+        parts.append(f"start-up findings read from {model.proofs_from} (proven on this kind of machine)")
     full = settings.max_batch_size
     if not settings.strict_determinism:
         parts.append(f"batches of 1 to {full} as they come (--no-strict-determinism)")

@@ -121,7 +121,7 @@ def test_load_and_unload_with_tritonclient(served, protocol):
     assert entries["b"]["state"] == "UNAVAILABLE" and entries["b"]["reason"] == "unloaded"
     text = httpx.get(f"{served['url']}/metrics").text
     b_series = [line for line in text.splitlines() if 'model="b"' in line and not line.startswith("#")]
-    assert b_series and all(line.startswith(("softmoe_model_loads_", "softmoe_model_load_duration"))
+    assert b_series and all(line.startswith(("softmoe_model_loads_", "softmoe_model_load_duration", "softmoe_model_load_phase"))
                             for line in b_series), b_series
     assert 'softmoe_model_loads_total{model="b",outcome="success"}' in text
     with pytest.raises(InferenceServerException, match="not loaded"):
