@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import kubernetes_validate
@@ -16,10 +21,13 @@ import pytest
 import yaml
 
 from helpers.deploy import DEPLOY
+from helpers.live import free_port, stop_process, wait_until
+from helpers.volumes import read_only, read_only_ok
 from server.cli import settings_from_args
 from server.main import build_parser
 
 KSERVE = DEPLOY / "kserve"
+DIGITS = Path(__file__).resolve().parents[2] / "server" / "default_models" / "digits"
 SCHEMAS = DEPLOY / "schemas"
 RUNTIME_SCHEMA = "servingruntime.serving.kserve.io-v1alpha1.schema.json"
 ISVC_SCHEMA = "inferenceservice.serving.kserve.io-v1beta1.schema.json"
@@ -113,3 +121,50 @@ def test_the_inferenceservice_uses_the_runtime_and_a_format_it_serves():
     formats = {(f["name"], f.get("version")) for f in runtime["spec"]["supportedModelFormats"]}
     assert (model["modelFormat"]["name"], model["modelFormat"].get("version")) in formats
     assert isvc["metadata"]["annotations"]["serving.kserve.io/deploymentMode"] == "RawDeployment"  # both ports
+
+
+def test_the_modelcar_form_validates_and_names_a_cache_inside_the_image():
+    isvc = load("inferenceservice-modelcar.yaml")
+    validator(ISVC_SCHEMA).validate(isvc)
+    model = isvc["spec"]["predictor"]["model"]
+    assert model["storageUri"].startswith("oci://")  # KServe's modelcar: the image's /models at /mnt/models
+    env = {e["name"]: e["value"] for e in model["env"]}
+    assert env["SOFTMOE_CACHE_DIR"].startswith("/mnt/models/.")  # inside the image, a folder the package ignores
+    plain = load("inferenceservice.yaml")["spec"]["predictor"]["model"]
+    assert {k: v for k, v in model.items() if k not in ("storageUri", "env")} == \
+        {k: v for k, v in plain.items() if k != "storageUri"}
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not read_only_ok(), reason="needs `unshare --mount --map-root-user` to mount a read-only volume")
+def test_a_modelcar_pod_for_real(tmp_path):
+    """A modelcar's /models as the image build makes it (the package, then `softmoe prepare` with the
+    runtime's flags into its .softmoe-cache), mounted read-only as KServe mounts it: the runtime's
+    container is ready without exporting or proving."""
+    runtime, isvc = load("servingruntime.yaml"), load("inferenceservice-modelcar.yaml")
+    (c,) = runtime["spec"]["containers"]
+    models = tmp_path / "models"
+    shutil.copytree(DIGITS, models)
+    ports = {"8080": str(free_port()), "8081": str(free_port())}
+    argv = [ports.get(a, a).replace("{{.Name}}", isvc["metadata"]["name"]).replace("/mnt/models", str(models))
+            for a in c["args"]]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SOFTMOE_")}
+    env.update({e["name"]: e["value"] for e in c["env"] if "value" in e})
+    env.update({e["name"]: e["value"].replace("/mnt/models", str(models)) for e in isvc["spec"]["predictor"]["model"]["env"]})
+    env["HOME"] = str(tmp_path / "home")
+    exe = [sys.executable, "-m", "server"]
+    built = subprocess.run([*exe, "prepare", *argv[1:]], env=env, capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:] + built.stdout[-3000:]
+
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(read_only(models, [*exe, *argv]), env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        probe = c["startupProbe"]
+        wait_until(f"http://127.0.0.1:{ports['8080']}{probe['httpGet']['path']}",
+                   probe["periodSeconds"] * probe["failureThreshold"], lambda: proc.poll() is None)
+    finally:
+        stop_process(proc)
+    text = log.read_text()
+    assert "graphs from the cache, proofs from the cache" in text, text[-3000:]
+    assert "exporting" not in text and "proving them here" not in text, text[-3000:]

@@ -27,7 +27,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from helpers.deploy import (DEPLOY, OVERLAYS, adapter_config, by_kind, container, env_of, render, render_overlay,
+from helpers.deploy import (DEPLOY, OVERLAYS, PREPARED, adapter_config, by_kind, container, env_of, render, render_overlay,
                             rules_file)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,9 +72,10 @@ def tool(name: str) -> str:
 
 def test_overlays_render_to_the_expected_resources(rendered):
     name, docs = rendered
-    assert sorted(d["kind"] for d in docs) == sorted(
-        ["Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule"])
-    assert {d["metadata"]["name"] for d in docs} == {"softmoe-serve"}
+    serving = ["Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule"]
+    prepared = ["PersistentVolumeClaim", "Job"] if name in PREPARED else []
+    assert sorted(d["kind"] for d in docs) == sorted(serving + prepared)
+    assert {d["metadata"]["name"] for d in docs if d["kind"] in serving} == {"softmoe-serve"}
 
 
 def _canonical(x):
@@ -145,7 +146,7 @@ def test_renderer_semantics(tmp_path):
 # ------------------------------------------------------------------------------------------ schemas
 
 def test_builtin_kinds_validate_against_kubernetes(rendered):
-    _, docs = rendered
+    name, docs = rendered
     checked = 0
     for doc in docs:
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
@@ -153,7 +154,7 @@ def test_builtin_kinds_validate_against_kubernetes(rendered):
         for version in (KUBERNETES_VERSION, kubernetes_validate.utils.latest_version()):
             kubernetes_validate.validate(doc, version, strict=True)
         checked += 1
-    assert checked == 4
+    assert checked == 4 + (2 if name in PREPARED else 0)  # Deployment, Service, PDB, HPA (+ PVC, Job)
     cm, _ = adapter_config()
     kubernetes_validate.validate(cm, KUBERNETES_VERSION, strict=True)
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import yaml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
-OVERLAYS = ["gpu", "cpu", "cpu-hpa-fallback"]
+OVERLAYS = ["gpu", "cpu", "cpu-hpa-fallback", "cpu-prepared"]
+# Overlays whose pods serve from artifacts a Job prepared (a read-only cache volume).
+PREPARED = {"cpu-prepared"}
 
 # deploy/render.py (the kustomize renderer the tests use) is a script, not a package module.
 _spec = importlib.util.spec_from_file_location("softmoe_deploy_render", DEPLOY / "render.py")

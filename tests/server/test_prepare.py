@@ -27,24 +27,11 @@ from server.settings import Settings
 
 from helpers.images import golden_pngs
 from helpers.live import free_port, stop_process, wait_until
+from helpers.volumes import read_only, read_only_ok
 
 ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "server" / "default_models" / "digits"
 SOFTMOE = [sys.executable, "-m", "server"]
-
-
-def _read_only_ok() -> bool:
-    try:
-        return subprocess.run(["unshare", "--mount", "--map-root-user", "true"], capture_output=True).returncode == 0
-    except FileNotFoundError:
-        return False
-
-
-def read_only(cache_dir: Path, argv: list[str]) -> list[str]:
-    """``argv`` in a mount namespace of its own where ``cache_dir`` is a read-only bind mount, as a
-    read-only volume is in a pod (a process as root writes anything a mode allows it to)."""
-    script = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" "$1" && shift && exec "$@"'
-    return ["unshare", "--mount", "--map-root-user", "sh", "-c", script, "sh", str(cache_dir), *argv]
 
 
 def other_weights(dst: Path) -> Path:
@@ -56,7 +43,7 @@ def other_weights(dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.skipif(not _read_only_ok(), reason="needs `unshare --mount --map-root-user` to mount a read-only volume")
+@pytest.mark.skipif(not read_only_ok(), reason="needs `unshare --mount --map-root-user` to mount a read-only volume")
 def test_a_prepared_cache_serves_from_a_read_only_volume(tmp_path):
     package, cache_dir = tmp_path / "digits", tmp_path / "cache"
     shutil.copytree(DIGITS, package)
