@@ -63,6 +63,10 @@ object with every ratio):
              reloaded 3 times (POST /v2/repository/models/a/load): non-200 answers, p99 while a reload
              runs over p99 steady; then a second copy loaded and unloaded: resident memory after over
              before, as growth in weight bytes (loadtests/swap_bench.py).
+  coldstart  soft-s16-e128: a fresh server to ready with nothing cached, `softmoe prepare`, a fresh server
+             on the prepared cache (over the seconds to read its weights once), a package of other weights
+             loaded into a server idle and under 8 clients, package + cache bytes over the weights; digits'
+             other-weights load under 8 clients (loadtests/coldstart_bench.py).
   layers     Soft MoE S/16 layer stacks (3 blocks; batch 1/8/32): reference einsum vs fused, PyTorch
              eager vs ONNX Runtime (export.bench; B/16: python -m export.bench --layers 1 --width B).
   gpu        Soft MoE B/16 vs ViT-B/16 on CUDA (only where a GPU is present; this CI has none).
@@ -395,9 +399,17 @@ GOALS = {  # key: (comparison, target); the last four are issue 14's
     "swap_p99_over_steady": ("<=", 2.0),
     "swap_rss_growth_over_weights": ("<=", 0.25),
     "tracing_overhead": (">=", 0.97),  # issue 38: --otlp-endpoint at 10% sampling over off, digits
+    "coldstart_prepared_s": ("<=", 10.0),  # issue 43: soft-s16-e128 from a prepared cache
+    "coldstart_prepared_over_read": ("<=", 3.0),
+    "coldstart_first_s": ("<=", 120.0),
+    "reload_new_weights_s": ("<=", 20.0),
+    "reload_new_weights_loaded_s": ("<=", 60.0),
+    "reload_new_weights_failures": ("<=", 0),
+    "reload_new_weights_digits_s": ("<=", 2.0),
+    "disk_over_weights": ("<=", 1.1),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "embed", "swap", "tracing", "layers", "gpu")
+            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "embed", "swap", "tracing", "coldstart", "layers", "gpu")
 
 
 def _positive(kind):
@@ -412,9 +424,9 @@ def _positive(kind):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from loadtests import (attack_bench, concurrent_bench, decode_nice_bench, embed_bench, grpc_bench, invariance_bench,
-                           memory_bench, peers_bench, protocol_cost, sparse_bench, spin_bench, swap_bench,
-                           tracing_bench)
+    from loadtests import (attack_bench, coldstart_bench, concurrent_bench, decode_nice_bench, embed_bench, grpc_bench,
+                           invariance_bench, memory_bench, peers_bench, protocol_cost, sparse_bench, spin_bench,
+                           swap_bench, tracing_bench)
     from loadtests.peers.common import SESSIONS
 
     argv = sys.argv[1:] if argv is None else argv
@@ -471,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
             "embed": lambda: embed_bench.section(mode, Path(tmp)),
             "swap": lambda: swap_bench.section(mode, Path(tmp)),
             "tracing": lambda: tracing_bench.section(mode),
+            "coldstart": lambda: coldstart_bench.section(mode, Path(tmp)),
             "layers": lambda: section_layers(mode),
             "gpu": lambda: section_gpu(mode),
         }

@@ -102,12 +102,19 @@ def test_the_structure_keeps_no_weights(monkeypatch, packages, tmp_path):
     assert sum(i.ByteSize() for i in emptied) < weights / 100
 
 
-def test_a_binding_that_fails_verification_is_exported_instead(monkeypatch, packages, tmp_path):
+def _a_exported(monkeypatch, a, tmp_path):
+    """(export/bind calls, a package of ``a``'s structure with other weights, the cache) once ``a``
+    is exported into that cache."""
     calls = _counting(monkeypatch)
-    a = packages["golden"]
     b = _other_weights(a, tmp_path / "b")
     cache_dir = str(tmp_path / "cache")
     exported_files(a, cache_dir, "fp32", log=lambda *_: None)
+    return calls, b, cache_dir
+
+
+def test_a_binding_that_fails_verification_is_exported_instead(monkeypatch, packages, tmp_path):
+    a = packages["golden"]
+    calls, b, cache_dir = _a_exported(monkeypatch, a, tmp_path)
     real = binding.derive
     monkeypatch.setattr(binding, "derive", lambda tensors, step: real(tensors, step) * 1.01)  # a wrong recipe
     lines: list[str] = []
@@ -145,11 +152,8 @@ def test_another_structure_is_exported(monkeypatch, packages, tmp_path):
 
 
 def test_a_two_tower_package_binds_both_towers(monkeypatch, packages, tmp_path):
-    calls = _counting(monkeypatch)
     a = packages["tt"]
-    b = _other_weights(a, tmp_path / "b")
-    cache_dir = str(tmp_path / "cache")
-    exported_files(a, cache_dir, "fp32", log=lambda *_: None)
+    calls, b, cache_dir = _a_exported(monkeypatch, a, tmp_path)
     files = exported_files(b, cache_dir, "fp32", log=lambda *_: None)
     assert calls == {"export": [a], "bind": [b]}, calls
     assert sorted(f.name for f in files) == ["model.image.onnx", "model.text.onnx"]

@@ -65,6 +65,10 @@ KEYS = (
     "swap_failures", "swap_p99_over_steady", "swap_rss_growth_over_weights", "swap_sat_img_s", "swap_reload_s",
     # --otlp-endpoint at 10% sampling vs off, side by side
     "tracing_overhead", "tracing_c1_p50_ratio", "tracing_img_per_s_on", "tracing_img_per_s_off",
+    # time to ready: nothing cached, prepared ahead, other weights loaded idle and under clients; disk
+    "coldstart_read_s", "coldstart_first_s", "coldstart_prepare_s", "coldstart_prepared_s",
+    "coldstart_prepared_over_read", "reload_new_weights_s", "reload_new_weights_loaded_s",
+    "reload_new_weights_failures", "reload_new_weights_digits_s", "disk_over_weights",
     # the run
     "errors", "seconds",
 )
