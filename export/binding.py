@@ -6,8 +6,10 @@ transposed or one row of a stacked tensor (``_fold_constant_gathers`` slices eac
 its stack). So after an export, each initializer's *recipe* is found by value: which tensor of the
 exported module it is, and how it was taken (``same``, ``T``, ``row`` i, ``rowT`` i). The
 structure graph keeps the nodes and the initializers' names, types and shapes, its weight data
-cleared; binding another package of the same structure fills every initializer from that
-package's module by its recipe. Initializers that are no tensor of the module (shapes, indices,
+cleared; binding a package of the structure (``Binder``) points every initializer its recipe
+names at its data: most are bytes of the package's own weights file, read from there when a
+session is made (``export.weights_file``), and the rest (transposed or derived tensors) go into
+one small file beside the graphs. Initializers that are no tensor of the module (shapes, indices,
 the token-mean row of ``_token_means_as_matmuls``) and one-element ones (epsilons, powers) stay as
 exported.
 
@@ -21,12 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from . import weights_file
 from .errors import ExportError
 
 RECIPE = "recipe.json"
@@ -65,6 +69,12 @@ def _fingerprint(a: np.ndarray) -> tuple:
     return a.shape, a.dtype.str, hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
 
 
+def _found(a: np.ndarray) -> list:
+    """A recipe step's record of the value it was found on (``_fingerprint``, as JSON keeps it)."""
+    shape, dtype, digest = _fingerprint(a)
+    return [list(shape), dtype, digest]
+
+
 def _candidates(tensors: dict[str, np.ndarray]) -> dict[tuple, list[dict]]:
     """Every way a tensor of the module can stand in a graph, by the fingerprint of its value."""
     found: dict[tuple, list[dict]] = {}
@@ -87,7 +97,9 @@ def _candidates(tensors: dict[str, np.ndarray]) -> dict[tuple, list[dict]]:
 def recipe_for(graph_file: Path, tensors: dict[str, np.ndarray]) -> tuple[list[dict] | None, str]:
     """``(recipe, "")``: how every initializer of more than one element of ``graph_file`` that is a
     tensor of the module is taken from ``tensors``; ``(None, why)`` when none is (nothing to bind)."""
+    # onnx: heavy, out of this module's import (the server imports it)
     import onnx
+    # onnx as well: heavy, out of this module's import
     from onnx import numpy_helper
 
     model = onnx.load(str(graph_file))
@@ -102,7 +114,7 @@ def recipe_for(graph_file: Path, tensors: dict[str, np.ndarray]) -> tuple[list[d
             continue
         # the exporter names a parameter it uses as it is after the parameter itself
         step = next((o for o in options if o["source"] == init.name and o["op"] == "same"), options[0])
-        recipe.append({"name": init.name, **step, "ambiguous": len(options) > 1})
+        recipe.append({"name": init.name, **step, "ambiguous": len(options) > 1, "found": _found(value)})
     if not recipe:
         return None, "no initializer of the graph is a tensor of the model"
     return recipe, ""
@@ -111,6 +123,7 @@ def recipe_for(graph_file: Path, tensors: dict[str, np.ndarray]) -> tuple[list[d
 def write_structure(graph_file: Path, recipe: list[dict], out: Path) -> None:
     """``graph_file`` without the weight data its recipe fills (names, types and shapes kept),
     one self-contained file."""
+    # onnx: heavy, out of this module's import (the server imports it)
     import onnx
 
     model = onnx.load(str(graph_file))
@@ -128,40 +141,101 @@ def write_recipe(recipes: dict[str, list[dict]], out: Path) -> None:
     out.write_text(json.dumps(recipes, sort_keys=True, indent=0) + "\n")
 
 
-def bind(structure_file: Path, recipe: list[dict], tensors: dict[str, np.ndarray], out: Path,
-         metadata: dict[str, str], external: bool) -> Path | None:
-    """``structure_file`` with every initializer filled from ``tensors`` by ``recipe`` and its
-    metadata replaced by ``metadata``, written to ``out``; its weights in ``out``.data when
-    ``external``. Returns the external data file, if any.
+class Binder:
+    """Binds graphs of one structure into one directory, each initializer's data where it already
+    is: a range of the package's weights file where its recipe takes a parameter as it is or one
+    row of it and the package stores that parameter at the graph's type (``export.weights_file``;
+    those bytes are compared with the tensor's first), else (transposed, converted or derived
+    tensors) in ``derived``, one file of the directory that every graph bound here shares, each
+    tensor once. ``close`` when done."""
 
-    Raises:
-        ExportError: a tensor the recipe names is missing or of another shape or type.
-    """
-    import onnx
-    from onnx import numpy_helper
+    ALIGN = 4096  # ONNX Runtime maps external data whose offset is page-aligned instead of copying it
 
-    model = onnx.load(str(structure_file))
-    by_name = {init.name: init for init in model.graph.initializer}
-    for step in recipe:
-        init = by_name.get(step["name"])
-        if init is None or step["source"] not in tensors:
-            raise ExportError(f"{structure_file}: the recipe's {step['name']} ({step['source']}) is not there")
-        value = np.ascontiguousarray(derive(tensors, step))
-        want = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
-        if list(value.shape) != list(init.dims) or value.dtype != want:
-            raise ExportError(f"{step['name']}: {step['source']} gives {value.dtype}{list(value.shape)}, the graph "
-                              f"holds {np.dtype(want)}{list(init.dims)}")
-        init.CopyFrom(numpy_helper.from_array(value, step["name"]))
-    kept = [p for p in model.metadata_props if p.key not in metadata]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    for key, value in metadata.items():
-        model.metadata_props.add(key=key, value=value)
-    data = out.with_name(out.name + ".data")
-    data.unlink(missing_ok=True)
-    if external:
-        onnx.save_model(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=1024)
-        return data
-    onnx.save_model(model, str(out))
-    return None
+    def __init__(self, weights: Path | None, derived: Path) -> None:
+        self.weights = weights
+        self._index = weights_file.index(weights) if weights is not None else {}
+        self._map = None
+        if self._index:
+            with open(weights, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.derived = derived
+        self._out = open(derived, "wb")
+        self._written: dict[tuple, tuple[int, int]] = {}
+        self.package_bytes = 0
+        self.derived_bytes = 0
+
+    def bind(self, structure_file: Path, recipe: list[dict], tensors: dict[str, np.ndarray], out: Path,
+             metadata: dict[str, str], found: bool = False) -> None:
+        """``structure_file`` with every initializer its recipe names pointed at its data, taken
+        from ``tensors``, and its metadata replaced by ``metadata``, written to ``out``. ``found``:
+        ``tensors`` are those the recipe was found on, and each value must be the one it was
+        found with (the graph exported and verified, its data read from elsewhere).
+
+        Raises:
+            ExportError: a tensor the recipe names is missing or of another shape or type, or
+                (``found``) not the value the recipe was found with.
+        """
+        # onnx: heavy, out of this module's import (the server imports it)
+        import onnx
+
+        model = onnx.load(str(structure_file))
+        by_name = {init.name: init for init in model.graph.initializer}
+        for step in recipe:
+            init = by_name.get(step["name"])
+            if init is None or step["source"] not in tensors:
+                raise ExportError(f"{structure_file}: the recipe's {step['name']} ({step['source']}) is not there")
+            value = np.ascontiguousarray(derive(tensors, step))
+            want = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+            if list(value.shape) != list(init.dims) or value.dtype != want:
+                raise ExportError(f"{step['name']}: {step['source']} gives {value.dtype}{list(value.shape)}, the graph "
+                                  f"holds {np.dtype(want)}{list(init.dims)}")
+            if found and _found(value) != step.get("found"):
+                raise ExportError(f"{step['name']}: {step['op']} of {step['source']} is not the value the graph was "
+                                  f"exported with")
+            start = self._in_package(step, tensors, value)
+            if start is not None:
+                location = weights_file.LOCATION
+                self.package_bytes += value.nbytes
+            else:
+                location, start = self.derived.name, self._derive(step, value)
+            init.ClearField("raw_data")
+            init.data_location = onnx.TensorProto.EXTERNAL
+            del init.external_data[:]
+            for key, v in (("location", location), ("offset", str(start)), ("length", str(value.nbytes))):
+                init.external_data.add(key=key, value=v)
+        kept = [p for p in model.metadata_props if p.key not in metadata]
+        del model.metadata_props[:]
+        model.metadata_props.extend(kept)
+        for key, value in metadata.items():
+            model.metadata_props.add(key=key, value=value)
+        self._out.flush()  # the graph is read (verified) before the next one is bound
+        out.write_bytes(model.SerializeToString())
+
+    def _in_package(self, step: dict, tensors: dict[str, np.ndarray], value: np.ndarray) -> int | None:
+        """The offset in the package's weights file of bytes equal to ``value``'s, if its recipe
+        takes it from there as it is."""
+        stored = self._index.get(step["source"])
+        if stored is None or step["op"] not in ("same", "row") or stored.dtype != value.dtype \
+                or stored.shape != tuple(tensors[step["source"]].shape):
+            return None
+        start = stored.start + (step["index"] * value.nbytes if step["op"] == "row" else 0)
+        if start + value.nbytes > stored.end:
+            return None
+        there = np.frombuffer(self._map, np.uint8, count=value.nbytes, offset=start)
+        return start if np.array_equal(there, value.reshape(-1).view(np.uint8)) else None
+
+    def _derive(self, step: dict, value: np.ndarray) -> int:
+        key = (step["source"], step["op"], step.get("index"))
+        if key not in self._written:
+            at = -self._out.tell() % self.ALIGN
+            self._out.write(b"\0" * at)
+            self._written[key] = (self._out.tell(), value.nbytes)
+            self._out.write(value.tobytes())
+            self.derived_bytes += value.nbytes
+        return self._written[key][0]
+
+    def close(self) -> None:
+        """The derived file closed (removed when nothing went into it)."""
+        self._out.close()
+        if not self._written:
+            self.derived.unlink(missing_ok=True)

@@ -8,10 +8,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from softmoe_models.config import PRECISIONS
+
+from .errors import ExportError
+from .onnx import export_onnx
+from .tensorrt import BatchProfile, export_tensorrt, import_tensorrt
+
 
 def cmd_export_onnx(args: argparse.Namespace) -> None:
-    from .onnx import export_onnx
-
     export_onnx(
         args.package, args.out, opset=args.opset, dynamic_batch=args.batch_dim == "dynamic",
         precision=args.precision, experts=args.experts, towers=args.towers,
@@ -20,8 +24,6 @@ def cmd_export_onnx(args: argparse.Namespace) -> None:
 
 
 def cmd_export_tensorrt(args: argparse.Namespace) -> None:
-    from .tensorrt import BatchProfile, export_tensorrt, import_tensorrt
-
     import_tensorrt()  # first: a missing extra is one clear line before any work
     profile = BatchProfile(args.min_batch, args.opt_batch, args.max_batch)
     export_tensorrt(args.package, args.out, precision=args.precision, profile=profile, workspace_gib=args.workspace)
@@ -29,15 +31,11 @@ def cmd_export_tensorrt(args: argparse.Namespace) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """This layer's exceptions whose message is meant for the user (one line, exit status 2)."""
-    from .errors import ExportError
-
     return (ExportError,)
 
 
 def add_precision(p: argparse.ArgumentParser, default: str) -> None:
     """``--precision``: the choices are the model layer's ``PRECISIONS``, as ``softmoe serve --precision``'s."""
-    from softmoe_models.config import PRECISIONS
-
     p.add_argument("--precision", choices=PRECISIONS, default=default)
 
 

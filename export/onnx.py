@@ -35,8 +35,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from torch.export import Dim
 
 from softmoe_models.config import Precision
+from softmoe_models.convert.readers import sha256_of
 from softmoe_models.package import Package, load_model, read_package
 from softmoe_models.soft_moe import configure_routing
 from softmoe_models.sparse_moe import configure_sparse_routing, sparse_moe_layers
@@ -153,13 +155,12 @@ def graph_metadata(pkg: Package, role: str, precision: str, experts: str, graph:
 
 
 def _weights_sha(pkg: Package) -> str:
-    from softmoe_models.convert.readers import sha256_of
-
     return sha256_of([pkg.path / "model.safetensors"])
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """The ``softmoe.*`` metadata of an exported file (without loading its weights)."""
+    # onnx: heavy; the server imports this module and loads onnx only when it reads a file
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -174,6 +175,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 def op_inventory(path: str | Path) -> dict[str, int]:
     """Count of every op type in the graph, functions and subgraphs included."""
+    # onnx: heavy, out of this module's import (the server imports it)
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -199,8 +201,6 @@ def export_one(graph: Graph, path: Path, opset: int, dynamic: bool, metadata: di
                sparse: bool = False) -> Path | None:
     """Run the dynamo exporter for one graph; returns the external data file, if any. ``sparse``:
     the graph routes sparse V-MoE layers (``op_support.sparse_ops_for_tensorrt`` runs on it)."""
-    from torch.export import Dim
-
     args = tuple(_trace_inputs(graph))
     dims: dict[str, Any] = {}
     symbols: dict[str, Any] = {}
@@ -246,10 +246,10 @@ def _custom_translations() -> dict:
     prepacks), bfloat16 Casts where the layer dispatches in bfloat16, then ``Concat`` of the
     experts' rows and zeros for the rest (the dropped claims). An expert with no row runs GEMMs of
     no row."""
+    # onnx: heavy, out of this module's import (the server imports it)
     import onnx
+    # onnxscript: heavy, only an export of sparse layers needs it
     from onnxscript import opset20 as op
-
-    import softmoe_models.sparse_moe  # noqa: F401 - registers the op
 
     def routed_experts(rows, count, w1, b1, w2, b2, bf16: bool = False):
         dtype = int(rows.dtype)
@@ -283,7 +283,7 @@ def _fold_constant_gathers(graph) -> int:
     Runtime folds them at session creation, which took minutes for a 128-expert model and kept
     the stacked copy too. Sliced here, each expert is one 2-D constant that ONNX Runtime prepacks.
     """
-    import numpy as np
+    # onnx_ir: heavy, out of this module's import (the server imports it)
     import onnx_ir as ir
 
     count = 0
@@ -322,7 +322,7 @@ def _token_means_as_matmuls(graph) -> int:
     batch. The result differs from the mean by rounding only (within every export tolerance;
     ``verify`` still checks it against PyTorch).
     """
-    import numpy as np
+    # onnx_ir: heavy, out of this module's import (the server imports it)
     import onnx_ir as ir
 
     count = 0
@@ -380,7 +380,7 @@ def _verify_providers(precision: str) -> list[str]:
     """Execution providers to verify on; bf16 needs one with bf16 kernels (not ORT's CPU EP)."""
     if precision != "bf16":
         return ["CPUExecutionProvider"]
-    try:
+    try:  # onnxruntime: an optional extra; whether it imports is part of the answer
         import onnxruntime as ort
 
         available = ort.get_available_providers()
@@ -433,15 +433,16 @@ def _float32_dispatch(module: torch.nn.Module):
 
 def verify(
     path: Path, graph: Graph, reference: Graph, precision: str, batches: tuple[int, ...], vocab: int,
-    providers: list[str] | None = None,
+    providers: list[str] | None = None, weights: Path | None = None,
 ) -> list[Verification]:
     """Run ``path`` in ONNX Runtime and compare with the float32 PyTorch ``reference``. MoE layers
     that dispatch in bfloat16 are held to ``bf16_tolerance``. A sparse graph's largest batch is also
     run with each image among other batch-mates: its outputs must be the same bits (an expert runs
     as many routed rows as the batch-mates send it; its GEMMs must give a row the same bits at any
-    row count, which this proves on this machine and runtime, the ones the export cache keys)."""
+    row count, which this proves on this machine and runtime, the ones the export cache keys).
+    ``weights``: the package's weights file, for a bound graph that reads from it."""
 
-    session = ort_session(path, providers=providers)
+    session = ort_session(path, providers=providers, weights=weights)
     bf16 = any(getattr(m, "bf16_dispatch", False) for m in reference.module.modules())
     sparse = bool(sparse_moe_layers(reference.module))
     results = []
@@ -462,7 +463,8 @@ def verify(
         checked = [_compare(batch, name, got, want.numpy(), precision, want32)
                    for name, got, want, want32 in zip(graph.outputs, outs, refs, refs32)]
         if any(not v.ok for v in checked) and sparse:
-            checked = _routed_on_graph_gates(path, graph, reference, feeds, outs, checked, precision, providers, refs32)
+            checked = _routed_on_graph_gates(path, graph, reference, feeds, outs, checked, precision, providers, refs32,
+                                             weights)
         results += checked
         if sparse and batch == max(batches) and batch > 1 and all(len(s.shape) and s.shape[0] == "batch"
                                                                   for s in graph.inputs):
@@ -504,7 +506,7 @@ def _compare(batch: int, name: str, got, want, precision: str, want32=None) -> V
 
 def _routed_on_graph_gates(path: Path, graph: Graph, reference: Graph, feeds: dict[str, torch.Tensor], outs,
                            checked: list[Verification], precision: str, providers: list[str] | None,
-                           refs32: tuple = ()) -> list[Verification]:
+                           refs32: tuple = (), weights: Path | None = None) -> list[Verification]:
     """A sparse graph off PyTorch: PyTorch again, routed on the graph's own gates
     (``export.sparse_verify``); ``checked`` as it was when the graph's gates cannot be read."""
 
@@ -512,7 +514,7 @@ def _routed_on_graph_gates(path: Path, graph: Graph, reference: Graph, feeds: di
     names = sparse_verify.gate_values(path)
     if len(names) != len(layers):
         return checked
-    gates = sparse_verify.graph_gates(path, {k: v.numpy() for k, v in feeds.items()}, names, providers)
+    gates = sparse_verify.graph_gates(path, {k: v.numpy() for k, v in feeds.items()}, names, providers, weights)
     own_gap: list[float] = []
     with torch.no_grad(), sparse_verify.routed_on(layers, gates, own_gap):
         ref = reference.module(*[feeds[s.name] for s in graph.inputs])
@@ -550,6 +552,7 @@ def export_onnx(
     routing: bool = False,
     sparse_dispatch: SparseDispatch = "fused",
     structure_out: str | Path | None = None,
+    bound_out: str | Path | None = None,
     log=print,
 ) -> list[ExportedFile]:
     """Export ``package`` to ONNX and verify it; returns what was written.
@@ -574,6 +577,8 @@ def export_onnx(
             allowed: for benchmarks that compare the two, never served).
         structure_out: also write the graphs as structure there (``write_structure_entry``),
             for ``bind_onnx`` to bind other packages' weights into.
+        bound_out: with ``structure_out``, also write the graphs bound to the package's own weights
+            file there (``write_structure_entry``), where the structure is bindable.
         log: where progress lines go.
 
     Raises:
@@ -605,15 +610,17 @@ def export_onnx(
         results = _verified(path, data, graph, reference_graphs[role], precision, batches, vocab, providers, log)
         written.append(ExportedFile(role, path, data, ops, results))
     if structure_out is not None:
-        write_structure_entry(written, export_model, Path(structure_out))
+        write_structure_entry(written, export_model, Path(structure_out),
+                              Path(bound_out) if bound_out is not None else None, pkg.path / "model.safetensors")
     return written
 
 
 def _verified(path: Path, data: Path | None, graph: Graph, reference: Graph, precision: str, batches: tuple[int, ...],
-              vocab: int, providers: list[str] | None, log, what: str = "verification failed") -> list[Verification]:
+              vocab: int, providers: list[str] | None, log, what: str = "verification failed",
+              weights: Path | None = None) -> list[Verification]:
     """``verify``'s results for a written graph, each logged; a graph that fails is removed (its
     external data too) and raised as ``ExportError`` naming ``what`` and the first failure."""
-    results = verify(path, graph, reference, precision, batches, vocab, providers)
+    results = verify(path, graph, reference, precision, batches, vocab, providers, weights)
     for r in results:
         log(r.line())
     failed = [r for r in results if not r.ok]
@@ -667,9 +674,14 @@ def _prepared(package, opset: int, precision: str, experts: str, towers: str, ro
     return pkg, model, reference_graphs, export_model, graphs, _out_paths(out, list(graphs))
 
 
-def write_structure_entry(written: list[ExportedFile], module: torch.nn.Module, out: Path) -> None:
+def write_structure_entry(written: list[ExportedFile], module: torch.nn.Module, out: Path,
+                          bound_out: Path | None = None, weights: Path | None = None) -> None:
     """The exported graphs as structure (``export.binding``) into ``out``: each graph without its
-    weight data and ``recipe.json`` (per file, its recipe; or why it cannot be bound)."""
+    weight data and ``recipe.json`` (per file, its recipe; or why it cannot be bound). With
+    ``bound_out``, the same graphs bound there (``binding.Binder``) to the package's weights file
+    ``weights`` they were exported from: the values they were verified with, read from the
+    package instead of copied (each package range is compared with the exported tensor, and a
+    derived one is the tensor the recipe matched by value); where that fails, none is written."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = binding.model_tensors(module)
     recipes: dict[str, dict] = {}
@@ -679,11 +691,28 @@ def write_structure_entry(written: list[ExportedFile], module: torch.nn.Module, 
             recipes = {"unbindable": why}
             break
         binding.write_structure(f.path, recipe, out / f.path.name)
-        recipes[f.path.name] = {"role": f.role, "external": f.external_data is not None, "steps": recipe}
+        recipes[f.path.name] = {"role": f.role, "steps": recipe}
     if "unbindable" in recipes:
         for f in written:
             (out / f.path.name).unlink(missing_ok=True)
+    elif bound_out is not None:
+        binder = binding.Binder(weights, bound_out / derived_name(written[0].path))
+        try:
+            for f in written:
+                binder.bind(out / f.path.name, recipes[f.path.name]["steps"], tensors, bound_out / f.path.name, {},
+                            found=True)
+        except ExportError:  # the exported graphs, as written, are what is served then
+            for f in written:
+                (bound_out / f.path.name).unlink(missing_ok=True)
+            binder.derived.unlink(missing_ok=True)
+        finally:
+            binder.close()
     binding.write_recipe(recipes, out / binding.RECIPE)
+
+
+def derived_name(graph: Path) -> str:
+    """``M.derived.data``, the tensors bound graphs ``M*.onnx`` hold beside the package's weights."""
+    return f"{graph.name.split('.')[0]}.derived.data"
 
 
 def bind_onnx(package: str | Path, structure: Path, out: str | Path, *, opset: int = DEFAULT_OPSET,
@@ -693,7 +722,9 @@ def bind_onnx(package: str | Path, structure: Path, out: str | Path, *, opset: i
     """``export_onnx``'s graphs for ``package`` without exporting: its weights bound into the
     structure another package of the same structure was exported to (``structure``: a directory
     ``write_structure_entry`` wrote), then verified against PyTorch on these weights as an
-    export is (same batches, same tolerances, sparse graphs among other batch-mates).
+    export is (same batches, same tolerances, sparse graphs among other batch-mates). The graphs
+    read most initializers from the package's ``model.safetensors`` (``export.weights_file``): a
+    session of them is given that file; the rest are in ``M.derived.data`` beside them.
 
     Raises:
         ExportError: the structure cannot be bound (its recipe says why, or a graph of another
@@ -711,22 +742,34 @@ def bind_onnx(package: str | Path, structure: Path, out: str | Path, *, opset: i
         raise ExportError(f"the structure holds graphs {sorted(by_role)}, this export needs {sorted(graphs)}")
     tensors = binding.model_tensors(export_model)
     weights_sha = _weights_sha(pkg)
+    weights = pkg.path / "model.safetensors"
     vocab = getattr(getattr(model.cfg, "text", None), "vocab_size", 2)
     batches = verify_batches if dynamic_batch else (2,)
+    binder = binding.Binder(weights, next(iter(paths.values())).with_name(derived_name(next(iter(paths.values())))))
+    try:
+        for role, graph in graphs.items():
+            meta = graph_metadata(pkg, role, precision, experts, graph, weights_sha, model,
+                                  sparse_dispatch if sparse else None)
+            binder.bind(Path(structure) / by_role[role][0], by_role[role][1]["steps"], tensors, paths[role], meta)
+    finally:
+        binder.close()
     written: list[ExportedFile] = []
-    for role, graph in graphs.items():
-        name, recipe = by_role[role]
-        path = paths[role]
-        meta = graph_metadata(pkg, role, precision, experts, graph, weights_sha, model,
-                              sparse_dispatch if sparse else None)
-        data = binding.bind(Path(structure) / name, recipe["steps"], tensors, path, meta, recipe["external"])
-        results = _verified(path, data, graph, reference_graphs[role], precision, batches, vocab, providers, log,
-                            what="the bound graph failed verification")
-        written.append(ExportedFile(role, path, data, op_inventory(path), results))
+    try:
+        for role, graph in graphs.items():
+            path = paths[role]
+            results = _verified(path, None, graph, reference_graphs[role], precision, batches, vocab, providers, log,
+                                what="the bound graph failed verification", weights=weights)
+            written.append(ExportedFile(role, path, None, op_inventory(path), results))
+    except ExportError:
+        for path in paths.values():
+            path.unlink(missing_ok=True)
+        binder.derived.unlink(missing_ok=True)
+        raise
     return written
 
 
 def _check(path: Path) -> None:
+    # onnx: heavy, out of this module's import (the server imports it)
     import onnx
 
     try:

@@ -39,6 +39,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 # Ops TensorRT 10's ONNX parser does not import (onnx-tensorrt docs/operators.md, "N" in 10.0..10.15)
 # that an exporter could plausibly write; anything outside the default domain is refused as well.
 UNSUPPORTED_OPS = frozenset({
@@ -108,6 +110,7 @@ def _prefix(node) -> str:
 
 
 def _const(graph, name: str, array) -> Any:
+    # onnx_ir: heavy, out of this module's import (the server reads it, via export.onnx)
     import onnx_ir as ir
 
     value = ir.Value(name=name, const_value=ir.tensor(array))
@@ -117,6 +120,7 @@ def _const(graph, name: str, array) -> Any:
 
 def replace_node(graph, node, new_nodes: list, result) -> None:
     """Insert ``new_nodes`` before ``node``, let ``result`` take the place of its first output."""
+    # onnx_ir: heavy, out of this module's import (the server reads it, via export.onnx)
     import onnx_ir as ir
 
     graph.insert_before(node, new_nodes)
@@ -131,7 +135,7 @@ def replace_node(graph, node, new_nodes: list, result) -> None:
 def _scatter_nd_rows(graph, node) -> bool:
     """``ScatterND(data (N, ...), indices (R, 1), updates (R, ...), reduction)`` with a reduction
     -> ``ScatterElements(data, Expand(indices, Shape(updates)), updates, axis=0, reduction)``."""
-    import numpy as np
+    # onnx_ir: heavy, out of this module's import (the server reads it, via export.onnx)
     import onnx_ir as ir
 
     reduction = node.attributes.get_string("reduction", "none")
@@ -179,6 +183,7 @@ def _dtype_name(value) -> str | None:
 
 def _int_cumsum(graph, node) -> bool:
     """Integer ``CumSum`` -> Cast(float32), ``CumSum``, Cast back (exact: partial sums are counts)."""
+    # onnx_ir: heavy, out of this module's import (the server reads it, via export.onnx)
     import onnx_ir as ir
 
     x, axis = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
@@ -199,7 +204,7 @@ def _int_cumsum(graph, node) -> bool:
 
 def _int_topk(graph, node) -> bool:
     """Integer ``TopK`` along an axis of static length n -> TopK on ``x * n + position`` (unique keys)."""
-    import numpy as np
+    # onnx_ir: heavy, out of this module's import (the server reads it, via export.onnx)
     import onnx_ir as ir
 
     x = node.inputs[0]
@@ -250,6 +255,7 @@ def _int_topk(graph, node) -> bool:
 
 def _int_clip(graph, node) -> bool:
     """Integer ``Clip(x, lo, hi)`` -> ``Min(Max(x, lo), hi)`` (an absent bound is skipped)."""
+    # onnx_ir: heavy, out of this module's import (the server reads it, via export.onnx)
     import onnx_ir as ir
 
     x = node.inputs[0]
@@ -271,6 +277,7 @@ def _int_clip(graph, node) -> bool:
 
 def _bool_scatter(graph, node) -> bool:
     """``ScatterElements`` on BOOL data -> the same on INT32, cast back to BOOL."""
+    # onnx_ir: heavy, out of this module's import (the server reads it, via export.onnx)
     import onnx_ir as ir
 
     if len(node.inputs) != 3 or _dtype_name(node.inputs[0]) != "BOOL":
@@ -298,6 +305,7 @@ def tensorrt_problems(path: str | Path) -> list[str]:
     inference. Known from onnx-tensorrt 10.0..10.15: ops it does not import (``UNSUPPORTED_OPS``,
     other domains), ``ScatterND`` with a reduction, ``CumSum`` on anything but FP32/FP16/BF16,
     ``TopK`` unsorted or with a constant K of 3840 or more."""
+    # onnx: heavy, out of this module's import (the server reads it, via export.onnx)
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -355,6 +363,7 @@ def tensorrt_problems(path: str | Path) -> list[str]:
 
 def tensorrt_plugins(path: str | Path) -> list[str]:
     """TensorRT standard plugins the graph at ``path`` needs (``ScatterElements`` with a reduction)."""
+    # onnx: heavy, out of this module's import (the server reads it, via export.onnx)
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MissingExtraError
+from .weights_file import PackageWeights
 
 
 SPIN_POLICIES = ("off", "run")
 
 
 def ort_session(path: str | Path, threads: int | None = None, providers: list[str] | None = None,
-                spin: str = "off", background: bool = False):
+                spin: str = "off", background: bool = False, weights: str | Path | None = None):
     """An InferenceSession with full graph optimisation, pinned threads and the given spin policy.
 
     Args:
@@ -29,17 +30,33 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
         spin: ``off`` (default), or ``run``: see ``session_options``.
         background: set the session up at the lowest CPU priority (``BackgroundBuiltSession``),
             for a process that loads a model while it serves others' batches.
+        weights: the package's ``model.safetensors``, for a bound graph that reads its
+            initializers from there (``export.weights_file``); its caller has checked its hash.
     """
-    try:
+    try:  # onnxruntime: an optional extra, imported only when a session is made
         import onnxruntime as ort
     except ImportError:
         raise MissingExtraError(
             "onnxruntime is not installed: pip install 'softmoe-serve[cpu]' (or '[gpu]' for onnxruntime-gpu)"
         ) from None
-    opts = session_options(threads, spin=spin)
+    opts = session_options(threads, spin=spin, parallel_prepack=not background)
+    package = with_package_weights(opts, path, weights)
     if background:
-        return BackgroundBuiltSession(path, opts, providers or ["CPUExecutionProvider"])
-    return ort.InferenceSession(str(path), sess_options=opts, providers=providers or ["CPUExecutionProvider"])
+        session = BackgroundBuiltSession(path, opts, providers or ["CPUExecutionProvider"])
+    else:
+        session = ort.InferenceSession(str(path), sess_options=opts, providers=providers or ["CPUExecutionProvider"])
+    session.package_weights = package  # the memory the session reads its initializers from lives as long as it
+    return session
+
+
+def with_package_weights(options, path: str | Path, weights: str | Path | None) -> PackageWeights | None:
+    """Give ``options`` the initializers the graph at ``path`` reads from its package's weights
+    file ``weights`` (``export.weights_file``); what the session must keep, or None when the graph
+    holds all its data."""
+    package = PackageWeights.of(path, weights)
+    if package is not None:
+        package.give(options)
+    return package
 
 
 def structure_digest(path: str | Path) -> str:
@@ -49,7 +66,9 @@ def structure_digest(path: str | Path) -> str:
     epsilon or a power); not the data of larger initializers (weights, biases), nor the model's
     metadata. Two graphs with the same digest run the same kernels on the same shapes, so what
     start-up proved and measured of one on a machine holds for the other (``server.engine.proofs``)."""
+    # onnx: heavy, out of this module's import (the server imports it)
     import onnx
+    # onnx as well: heavy, out of this module's import
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
     path = Path(path)
@@ -92,6 +111,7 @@ class BackgroundBuiltSession:
     ``InferenceSession`` of the same file and options (tests/export/test_runtime.py)."""
 
     def __init__(self, path: str | Path, options, providers: list[str]) -> None:
+        # onnxruntime: an optional extra, out of this module's import
         from onnxruntime.capi import _pybind_state as binding
 
         self._sess = binding.InferenceSession(options, str(path), True, False)
@@ -145,10 +165,13 @@ def at_low_priority(fn: Callable[..., Any], *args: Any) -> Any:
     return out[0]
 
 
-def session_options(threads: int | None = None, spin: str = "off"):
+def session_options(threads: int | None = None, spin: str = "off", parallel_prepack: bool = True):
     """The SessionOptions every session here uses: full graph optimisation, a fixed intra-op
     thread count (the CPUs this process may use by default), one inter-op thread, sequential
-    execution, warnings off, and one of two spin policies for the intra-op threads:
+    execution, warnings off, weights prepacked on the intra-op threads (``parallel_prepack``; off
+    for a ``BackgroundBuiltSession``, whose intra-op threads run at the server's priority: its
+    set-up must stay on its one low-priority thread), and one of two spin policies for the
+    intra-op threads:
 
     - ``off``: a worker with nothing to do sleeps at once. Verification and the benchmarks of
       forms use it, so that sessions side by side do not take each other's cores.
@@ -159,6 +182,7 @@ def session_options(threads: int | None = None, spin: str = "off"):
       measures it; docs/benchmarks.md has the figures). Outputs are bitwise those of ``off``: the
       work is split the same.
     """
+    # onnxruntime: an optional extra, out of this module's import
     import onnxruntime as ort
 
     if spin not in SPIN_POLICIES:
@@ -172,5 +196,8 @@ def session_options(threads: int | None = None, spin: str = "off"):
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin == "run" else "0")
     if spin == "run":
         opts.add_session_config_entry("session.force_spinning_stop", "1")
+    # Prepacking (each constant MatMul weight laid out for MLAS) is most of a large graph's set-up;
+    # split over the intra-op threads it packs the same bytes (docs/benchmarks.md, coldstart).
+    opts.add_session_config_entry("session.prepack.enable_parallel", "1" if parallel_prepack else "0")
     opts.log_severity_level = 3
     return opts

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from softmoe_models import sparse_moe
+
 from .runtime import ort_session
 
 SPARSE_LAYER = "softmoe_models.sparse_moe.SparseMoE"  # in a node's pkg.torch.onnx.class_hierarchy
@@ -35,6 +37,7 @@ SPARSE_LAYER = "softmoe_models.sparse_moe.SparseMoE"  # in a node's pkg.torch.on
 def gate_values(path: Path) -> list[str]:
     """Names of the router softmax outputs of the graph's sparse layers, in forward order (empty
     when the exporter left no module metadata on the nodes)."""
+    # onnx: heavy, out of this module's import (the server imports it, via export.onnx)
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -47,9 +50,11 @@ def gate_values(path: Path) -> list[str]:
 
 
 def graph_gates(path: Path, feeds: dict[str, np.ndarray], names: list[str],
-                providers: list[str] | None = None) -> list[np.ndarray]:
+                providers: list[str] | None = None, weights: Path | None = None) -> list[np.ndarray]:
     """The values ``names`` of the graph at ``path`` on ``feeds``: a copy of the graph that also
-    outputs them, written beside it (so its external data is found) and removed after."""
+    outputs them, written beside it (so its external data is found) and removed after;
+    ``weights``: the package's weights file a bound graph reads from (``export.weights_file``)."""
+    # onnx: heavy, out of this module's import (the server imports it, via export.onnx)
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -59,7 +64,7 @@ def graph_gates(path: Path, feeds: dict[str, np.ndarray], names: list[str],
     copy = path.with_name(f".{path.stem}.gates.onnx")
     onnx.save(model, str(copy))
     try:
-        session = ort_session(copy, providers=providers)
+        session = ort_session(copy, providers=providers, weights=weights)
         return session.run(names, feeds)
     finally:
         copy.unlink(missing_ok=True)
@@ -70,8 +75,6 @@ def routed_on(layers: list, gates: list[np.ndarray], own_gap: list[float]) -> It
     """Every sparse layer in ``layers`` routes on the given gates (one array per layer, (G, S, E)),
     through its own routing functions; ``own_gap`` gets, per layer, the largest difference between
     them and the gates the layer computes from its own input."""
-    from softmoe_models.sparse_moe import experts_choice, tokens_choice
-
     def routing(layer, given: np.ndarray):
         original = layer.route
 
@@ -81,8 +84,8 @@ def routed_on(layers: list, gates: list[np.ndarray], own_gap: list[float]) -> It
             own_gap.append(float((forced - own).abs().max()))
             c = layer.capacity(own.shape[1])
             if layer.router_kind == "tokens-choice":
-                return forced, tokens_choice(forced, layer.experts_per_token, c, layer.batch_priority)
-            return forced, experts_choice(forced, c)
+                return forced, sparse_moe.tokens_choice(forced, layer.experts_per_token, c, layer.batch_priority)
+            return forced, sparse_moe.experts_choice(forced, c)
 
         return route
 

@@ -34,7 +34,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from softmoe_models import routing
+from softmoe_models.config import PRECISIONS
+from softmoe_models.package import load_model, read_package
+from softmoe_models.tokenizer import Tokenizer
+
+from . import cache
 from .errors import ExportError, MissingExtraError
+from .graphs import graphs_for
+from .onnx import DEFAULT_OPSET, export_onnx, tolerance
+from .op_support import tensorrt_plugins, tensorrt_problems
 
 INSTALL_HINT = (
     "TensorRT is not installed: pip install 'softmoe-serve[tensorrt]' "
@@ -44,7 +55,7 @@ INSTALL_HINT = (
 
 def import_tensorrt() -> Any:
     """The ``tensorrt`` module, or a MissingExtraError naming the extra to install."""
-    try:
+    try:  # TensorRT: an optional extra, imported only when asked for
         import tensorrt as trt  # noqa: PLC0415 - optional, imported lazily on purpose
     except ImportError:
         raise MissingExtraError(INSTALL_HINT) from None
@@ -78,7 +89,7 @@ class BatchProfile:
 class EngineKey:
     """Everything that makes an engine valid for reuse."""
 
-    weights_sha256: str
+    weights_digest: str  # BLAKE3 of model.safetensors (export.cache.package_digests)
     graph: str  # classifier | image | text | encoder
     tensorrt_version: str
     gpu_name: str
@@ -86,7 +97,7 @@ class EngineKey:
     precision: str
     profile: tuple[int, int, int]
     workspace_bytes: int
-    config_sha256: str = ""  # config.json: labels, preprocessing and text contract end up in the graph's metadata
+    config_digest: str = ""  # BLAKE3 of config.json: labels, preprocessing and text contract end up in the graph's metadata
 
     def digest(self) -> str:
         blob = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
@@ -98,8 +109,6 @@ class EngineKey:
 
 def gpu_identity() -> tuple[str, str]:
     """(name, compute capability) of CUDA device 0, via torch."""
-    import torch
-
     if not torch.cuda.is_available():
         raise ExportError("building a TensorRT engine needs a CUDA GPU; none is visible to torch")
     major, minor = torch.cuda.get_device_capability(0)
@@ -195,8 +204,6 @@ class EngineRunner:
     """Runs a serialized engine on CUDA with torch tensors (used for verification and serving)."""
 
     def __init__(self, trt: Any, engine_bytes: bytes) -> None:
-        import torch
-
         self.trt, self.torch = trt, torch
         logger = trt.Logger(trt.Logger.WARNING)
         init_plugins(trt, logger)
@@ -256,33 +263,23 @@ def export_tensorrt(
         ExportError: no GPU, parse/build failure, failed verification (nothing is published).
     """
     trt = import_tensorrt()
-    from softmoe_models.config import PRECISIONS
-
     if precision not in PRECISIONS:
         raise ExportError(f"unknown precision {precision!r}: use fp32, fp16 or bf16")
     package = Path(package)
     if not package.is_dir():
         raise ExportError(f"model package not found: {package}")
     gpu_name, capability = gpu_identity()
-    from softmoe_models.package import read_package
-
-    from . import cache
-    from .onnx import DEFAULT_OPSET, export_onnx, tolerance
-    from .op_support import tensorrt_plugins, tensorrt_problems
-
     pkg = read_package(package)
     digests = cache.package_digests(package)
     root = Path(out_dir) if out_dir else cache.default_root() / "engines"
     roles = {"classifier": ["classifier"], "two-tower": ["image", "text"], "encoder": ["encoder"]}[pkg.kind]
-    from softmoe_models import routing
-
     with_routing = routing.any_layout(pkg.config) is not None
     if with_routing:  # the /v1/routing graph: its own engine, the plain ones unchanged
         roles = [*roles, "routing"]
     keys = {role: EngineKey(
-        weights_sha256=digests["model.safetensors"], graph=role, tensorrt_version=trt.__version__, gpu_name=gpu_name,
+        weights_digest=digests["model.safetensors"], graph=role, tensorrt_version=trt.__version__, gpu_name=gpu_name,
         compute_capability=capability, precision=precision, profile=(profile.min, profile.opt, profile.max),
-        workspace_bytes=int(workspace_gib * 2**30), config_sha256=digests["config.json"]) for role in roles}
+        workspace_bytes=int(workspace_gib * 2**30), config_digest=digests["config.json"]) for role in roles}
     # The graph at the engine's precision (strongly typed networks take their types from it),
     # batched experts (one matmul over the stacked experts: what wins on GPU).
     onnx_settings = dict(opset=DEFAULT_OPSET, precision=precision, experts="batched", towers="split",
@@ -349,6 +346,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 def engine_inputs(onnx_path: Path) -> dict[str, tuple[int | str, ...]]:
     """Input names and shapes (symbolic dims as strings) of an ONNX file."""
+    # onnx: heavy, and no `softmoe` command loads it until it reads or writes a graph
     import onnx
 
     model = onnx.load(str(onnx_path), load_external_data=False)
@@ -364,12 +362,6 @@ def engine_inputs(onnx_path: Path) -> dict[str, tuple[int | str, ...]]:
 
 def _fp32_reference(package: Path) -> dict[str, Any]:
     """role -> a function of torch feeds giving the fp32 PyTorch outputs (the ground truth)."""
-    import torch
-
-    from softmoe_models.package import load_model
-
-    from .graphs import graphs_for
-
     graphs = graphs_for(load_model(package), torch.float32)
 
     def runner(graph):
@@ -398,15 +390,9 @@ def verification_inputs(package: Path, role: str, shapes: dict[str, tuple[int | 
     """Feeds at the profile's min, opt and max batch: image-like values in [-1, 1] for pixel
     inputs, and for text the package's tokenizer on real prompts (random valid ids where the
     package has no tokenizer), never the {0, 1} ids that a text engine could pass by accident."""
-    import torch
-
-    from softmoe_models.package import read_package
-
     pkg = read_package(package)
     tokenizer = None
     if role == "text" and pkg.tokenizer_path is not None:
-        from softmoe_models.tokenizer import Tokenizer
-
         tokenizer = Tokenizer.from_contract(pkg.tokenizer_path, pkg.text)
     words = list(pkg.labels or VERIFY_WORDS)
     prompts = [t.replace("{}", w) for w in words for t in VERIFY_PROMPTS]

@@ -40,6 +40,9 @@ object with every ratio):
              rows per request, 8 client threads, the three transports in shuffled windows each round;
              every answer bitwise the same on every transport, else the section fails
              (loadtests/grpc_bench.py).
+  oip_encode The OIP answer's encoding (the postprocess stage, server.api.oip_codec) per request on
+             digits, HTTP JSON, HTTP binary and gRPC answers of 1 and 32 rows, from the server's
+             stage histogram, with the client's round trip (loadtests/oip_encode_bench.py).
   attack     Legitimate requests/s with and without 200 slow clients (trickled bodies and heads, idle
              connections) reconnecting as soon as they are cut off (loadtests/attack_bench.py).
   concurrent `--concurrent-batches 2` vs 1 on soft-s16-e128 at max batch 8: throughput at saturation
@@ -409,7 +412,7 @@ GOALS = {  # key: (comparison, target); the last four are issue 14's
     "disk_over_weights": ("<=", 1.1),
 }
 SECTIONS = ("decode", "zeroshot", "serving", "frontend", "routing", "peers", "invariance", "decode_nice", "protocol",
-            "grpc", "attack", "concurrent", "spinning", "memory", "sparse", "embed", "swap", "tracing", "coldstart", "layers", "gpu")
+            "grpc", "oip_encode", "attack", "concurrent", "spinning", "memory", "sparse", "embed", "swap", "tracing", "coldstart", "layers", "gpu")
 
 
 def _positive(kind):
@@ -425,8 +428,8 @@ def _positive(kind):
 
 def main(argv: list[str] | None = None) -> None:
     from loadtests import (attack_bench, coldstart_bench, concurrent_bench, decode_nice_bench, embed_bench, grpc_bench,
-                           invariance_bench, memory_bench, peers_bench, protocol_cost, sparse_bench, spin_bench,
-                           swap_bench, tracing_bench)
+                           invariance_bench, memory_bench, oip_encode_bench, peers_bench, protocol_cost, sparse_bench,
+                           spin_bench, swap_bench, tracing_bench)
     from loadtests.peers.common import SESSIONS
 
     argv = sys.argv[1:] if argv is None else argv
@@ -475,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
             "decode_nice": lambda: decode_nice_bench.section(mode),
             "protocol": lambda: protocol_cost.section(mode),
             "grpc": lambda: grpc_bench.section(mode),
+            "oip_encode": lambda: oip_encode_bench.section(mode),
             "attack": lambda: attack_bench.section(mode),
             "concurrent": lambda: concurrent_bench.section(mode, Path(tmp)),
             "spinning": lambda: spin_bench.section(mode, Path(tmp)),

@@ -37,7 +37,7 @@ ob.EXPORT_IN_CHILD_BYTES = 0 if way == "child" else 1 << 62
 files = ob.exported_files(Path(package), cache, "fp32", log=lambda m: None)
 gc.collect()
 exported = rss()
-backend = ob.OnnxRuntimeBackend(files, max_batch_size=8)
+backend = ob.OnnxRuntimeBackend(files, max_batch_size=8, weights=Path(package) / "model.safetensors")
 print(json.dumps({"after_export_mb": exported, "after_sessions_mb": rss()}))
 """
 

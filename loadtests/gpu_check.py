@@ -165,7 +165,7 @@ def ort_backend(precision: str, cache_dir: str, **kwargs):
     from server.backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
 
     files = exported_files(DIGITS, cache_dir, precision, log=lambda *a, **k: None)
-    return OnnxRuntimeBackend(files, device="cuda", max_batch_size=BATCH, **kwargs)
+    return OnnxRuntimeBackend(files, device="cuda", max_batch_size=BATCH, weights=DIGITS / "model.safetensors", **kwargs)
 
 
 def ort_cuda_available() -> bool:

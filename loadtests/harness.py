@@ -20,11 +20,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import httpx
 import numpy as np
 
 from loadtests.procs import cpu_seconds
@@ -215,6 +217,58 @@ def load(ports: list[int], requests: list[tuple[bytes, int]], seconds: float, co
     if out.errors and label:
         ERRORS[label] = ERRORS.get(label, 0) + out.errors
     return out
+
+
+async def _open_loop(url: str, path: str, body: bytes, rate: float, seconds: float, marks
+                     ) -> list[tuple[float, float, int, str]]:
+    """Send one JPEG request every 1/``rate`` s for ``seconds``, whatever the answers do; (send
+    time, latency, status, window) of each. ``marks()`` is read at each send: the window it is in."""
+    out: list[tuple[float, float, int, str]] = []
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        async def one(mark) -> None:
+            t0 = time.perf_counter()
+            try:
+                r = await client.post(path, content=body, headers={"content-type": "image/jpeg"})
+                status = r.status_code
+            except httpx.HTTPError:
+                status = 0
+            out.append((t0, time.perf_counter() - t0, status, mark))
+
+        tasks, start = [], time.perf_counter()
+        k = 0
+        while (due := start + k / rate) < start + seconds:
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(marks())))
+            k += 1
+        await asyncio.gather(*tasks)
+    return out
+
+
+def open_loop_while(url: str, body: bytes, rate: float, work: Callable[[dict], None],
+                    path: str = "/v1/classify?model=a") -> list[tuple[float, float, int, str]]:
+    """An open loop of JPEG requests to ``path`` at ``rate`` per second while ``work(window)`` runs
+    on a thread; ``work`` names the window each request is sent in by setting ``window["now"]``
+    (it starts as ``steady``). (send time, latency, status, window) of each request."""
+    window = {"now": "steady"}
+
+    def run() -> None:
+        try:
+            work(window)
+        finally:
+            window["now"] = "done"
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    results: list = []
+
+    async def drive() -> None:
+        while window["now"] != "done":
+            results.extend(await _open_loop(url, path, body, rate, 2.0, lambda: window["now"]))
+
+    asyncio.run(drive())
+    thread.join()
+    return results
 
 
 def wait_answers(server: ServerProcess, request: bytes, timeout: float) -> None:

@@ -104,8 +104,10 @@ def one_session_cost(package: Path, cache: Path, rounds: int, log) -> dict[str, 
 
     files = exported_files(package, str(cache), "fp32", log=lambda m: None)
     plain_file = next(f for f in files if routing_sibling(f) is not None)
-    sessions = {"plain": ort_session(plain_file, providers=["CPUExecutionProvider"], spin="run"),
-                "routing": ort_session(routing_sibling(plain_file), providers=["CPUExecutionProvider"], spin="run")}
+    weights = package / "model.safetensors"  # what the cached graphs read their weights from
+    sessions = {"plain": ort_session(plain_file, providers=["CPUExecutionProvider"], spin="run", weights=weights),
+                "routing": ort_session(routing_sibling(plain_file), providers=["CPUExecutionProvider"], spin="run",
+                                       weights=weights)}
     inp = sessions["plain"].get_inputs()[0]
     names = [o.name for o in sessions["routing"].get_outputs() if o.name not in OUTPUTS]
     rng, order = np.random.default_rng(0), random.Random(0)

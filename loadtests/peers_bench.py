@@ -58,6 +58,7 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
     if not available:
         return {"peers": "none installed"}
     from export.onnx import read_metadata
+    from export.weights_file import write_standalone
     from server.backends.onnxruntime_backend import exported_files
     from server.engine.defaults import SHIPPED
     from server.settings import Settings
@@ -70,7 +71,9 @@ def section(mode: str, workdir: Path, python: str, model: str, variant: str = "l
                        stdout=subprocess.DEVNULL)
     t0 = time.perf_counter()
     files = exported_files(pkg, "", "fp32", log=lambda m: None)  # the cache `softmoe serve` below reuses
-    onnx = next(f for f in files if read_metadata(f).get("graph") == "classifier")
+    cached = next(f for f in files if read_metadata(f).get("graph") == "classifier")
+    # the peers open the file themselves: a copy that holds its weights (the cached one reads the package's)
+    onnx = write_standalone(cached, pkg / "model.safetensors", workdir / "peers" / "model.onnx")
     print(f"\npeers: {model} exported to ONNX in {time.perf_counter() - t0:.1f}s (or reused from the cache): {onnx}")
     defaults = Settings.model_fields
     batch, delay = defaults["max_batch_size"].default, defaults["max_delay_ms"].default

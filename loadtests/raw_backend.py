@@ -25,16 +25,12 @@ def _raw_worker(conn, spec: str, batch: int, size: int, settings: dict) -> None:
     ``--wide-lone-batches``, the lane start-up chose (N calls at once beside each other, or one at a
     time alone on every thread); otherwise as many calls at once as ``--concurrent-batches``.
     Without routing statistics (the server samples 1 call in 16: the raw side never pays it)."""
-    from server.batching.batcher import Batcher
+    from server.engine.core import Engine
     from server.metrics import Metrics
-    from server.engine.proofs import warmup
-    from server.engine.models import attach_queues, load_served_model
     from server.settings import Settings
 
-    resolved = Settings(**{**settings, "routing_stats_sample": 0})
-    model = load_served_model(spec, resolved, log=lambda m: None)
-    attach_queues(model, Batcher(resolved.device, workers=resolved.concurrent_batches), resolved, Metrics())
-    warmup(model, resolved, log=lambda m: None)
+    resolved = Settings(**{**settings, "routing_stats_sample": 0, "models": [spec], "model_repository": ""})
+    [model] = Engine(resolved, Metrics(), say=lambda m: None).bring_up(serve=False)  # the batcher never runs
     queue, state = model.queues["classify"], model.routing
     callers = resolved.concurrent_batches
     if queue.plan is not None and not (state is not None and state.shared and state.beside):

@@ -229,14 +229,14 @@ def export_capacity(package: Path, out: Path, child: bool) -> dict[str, Any]:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def routed_vs_capacity(routed: Path, capacity: Path, size: int, *, rounds: int, calls: int, batch: int = 8
-                       ) -> dict[str, Any]:
+def routed_vs_capacity(routed: Path, capacity: Path, size: int, *, rounds: int, calls: int, batch: int = 8,
+                       weights: Path | None = None) -> dict[str, Any]:
     """Two ONNX Runtime sessions (every CPU each), the same ``batch`` images: median images/s of
     each form at ``batch``, median seconds of a batch of 1, and the largest difference between
-    their outputs."""
+    their outputs. ``weights``: the package's file the cached (``routed``) graph reads from."""
     from export.runtime import ort_session
 
-    sessions = {"routed": ort_session(routed), "capacity": ort_session(capacity)}
+    sessions = {"routed": ort_session(routed, weights=weights), "capacity": ort_session(capacity)}
     x = np.random.default_rng(0).uniform(-1, 1, (batch, 3, size, size)).astype(np.float32)
     outs = {k: s.run(["logits"], {"pixel_values": x})[0] for k, s in sessions.items()}
     diff = float(np.abs(outs["routed"].astype(np.float64) - outs["capacity"]).max())
@@ -337,7 +337,8 @@ def _run(smoke: bool, rounds: int, seconds: float, c1_seconds: float, clients: i
         capacity = export_capacity(packages["tc"], work / "tc.capacity.onnx", child=not smoke)
         log(f"  capacity form exported and verified in {time.perf_counter() - t0:.0f} s "
             f"(max err vs PyTorch {capacity['max_err']:.1e})")
-        r = routed_vs_capacity(plain["tc"], Path(capacity["path"]), size, rounds=rounds, calls=calls)
+        r = routed_vs_capacity(plain["tc"], Path(capacity["path"]), size, rounds=rounds, calls=calls,
+                               weights=packages["tc"] / "model.safetensors")
         out["sparse_tc_routed_over_capacity_img_s"] = round(r["img_s"]["routed"] / r["img_s"]["capacity"], 3)
         out["sparse_tc_routed_over_capacity_b1"] = round(r["b1_s"]["routed"] / r["b1_s"]["capacity"], 3)
         out["sparse_tc_routed_img_s"] = round(r["img_s"]["routed"], 2)

@@ -46,7 +46,7 @@ def backend_alone(package: Path, *, batches: tuple[int, ...], rounds: int, log=p
 
     files = exported_files(package, "", "fp32", log=lambda m: None)  # the cache `softmoe serve` reuses
     onnx, meta = next((f, m) for f in files if (m := read_metadata(f)).get("graph") == "classifier")
-    sessions = {spin: ort_session(onnx, spin=spin) for spin in ("off", "run")}
+    sessions = {spin: ort_session(onnx, spin=spin, weights=package / "model.safetensors") for spin in ("off", "run")}
     name = sessions["off"].get_inputs()[0].name
     size = meta["preprocess"]["image_size"]
     rng = np.random.default_rng(3)

@@ -25,13 +25,11 @@ server's processes is read before the load and after the unload. One JSON line:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,34 +37,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-from loadtests.harness import jpeg, jpeg_request, load, pick
+from loadtests.harness import jpeg, jpeg_request, load, open_loop_while, pick
 from loadtests.memory_bench import package_for, rss_bytes
 from loadtests.run import ServerProcess, wait_ready
-
-
-async def _open_loop(url: str, body: bytes, rate: float, seconds: float, marks) -> list[tuple[float, float, int, str]]:
-    """Send one request every 1/``rate`` s for ``seconds``; (send time, latency, status, window) of each.
-    ``marks()`` is read at each send: the window it belongs to."""
-    out: list[tuple[float, float, int, str]] = []
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
-        async def one(mark) -> None:
-            t0 = time.perf_counter()
-            try:
-                r = await client.post("/v1/classify?model=a", content=body, headers={"content-type": "image/jpeg"})
-                status = r.status_code
-            except httpx.HTTPError:
-                status = 0
-            out.append((t0, time.perf_counter() - t0, status, mark))
-
-        tasks, start = [], time.perf_counter()
-        k = 0
-        while (due := start + k / rate) < start + seconds:
-            await asyncio.sleep(max(0.0, due - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(marks())))
-            k += 1
-        await asyncio.gather(*tasks)
-    return out
 
 
 def run(model: str = "soft-s16-e128", reloads: int = 3, fraction: float = 0.7, work: Path | None = None,
@@ -94,11 +67,10 @@ def run(model: str = "soft-s16-e128", reloads: int = 3, fraction: float = 0.7, w
                    label="swap saturation").items_per_s
         rate = max(sat * fraction, 1.0)
         steady_s = pick(mode, 60.0, 12.0, 1.0)
-        window = {"now": "steady"}
         reload_s: list[float] = []
         failures: list[str] = []
 
-        def reload_all() -> None:
+        def reload_all(window: dict) -> None:
             time.sleep(steady_s)
             for i in range(reloads):
                 window["now"] = f"reload{i}"
@@ -109,18 +81,8 @@ def run(model: str = "soft-s16-e128", reloads: int = 3, fraction: float = 0.7, w
                     failures.append(f"reload {i}: {r.status_code} {r.text[:200]}")
                 window["now"] = "between"
                 time.sleep(pick(mode, 3.0, 2.0, 0.2))
-            window["now"] = "done"
 
-        thread = threading.Thread(target=reload_all)
-        thread.start()
-        results: list = []
-
-        async def drive() -> None:
-            while window["now"] != "done":
-                results.extend(await _open_loop(server.url, image, rate, 2.0, lambda: window["now"]))
-
-        asyncio.run(drive())
-        thread.join()
+        results = open_loop_while(server.url, image, rate, reload_all)
         if failures:
             raise RuntimeError("; ".join(failures))
         steady = [lat for _, lat, status, mark in results if mark == "steady" and status == 200]

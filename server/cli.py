@@ -18,9 +18,15 @@ import os
 import re
 import sys
 
+import uvicorn
 from pydantic import ValidationError
-from pydantic_settings import SettingsError
+from pydantic_settings import CliSettingsSource, SettingsError
 
+from server.engine.prepare import prepare
+from server.engine.startup import StartupError, describe
+from server.jobs import cli as jobs_cli  # eval and embed: the served numerics over a dataset
+from server.observability import logs
+from server.run import serve
 from server.settings import Settings
 
 ENV_PREFIX = str(Settings.model_config.get("env_prefix") or "")
@@ -51,8 +57,6 @@ def _add_argument(parser: argparse.ArgumentParser, *names: str, **kwargs) -> arg
 
 def settings_source(parser: argparse.ArgumentParser):
     """Add every Settings field to ``parser``; returns the source that reads them back."""
-    from pydantic_settings import CliSettingsSource
-
     return CliSettingsSource(
         Settings, root_parser=parser, cli_kebab_case=True, cli_implicit_flags=True,
         add_argument_method=_add_argument,
@@ -70,8 +74,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def describe_settings_error(error: Exception, args: argparse.Namespace) -> str:
     """One line naming the flag (or the environment variable it came from) of each bad value."""
-    from pydantic import ValidationError
-
     if not isinstance(error, ValidationError):  # a SettingsError: a value pydantic-settings cannot decode
         text = str(error)
         env_field = re.search(r'field "(\w+)" from source "EnvSettingsSource"', text)
@@ -104,8 +106,6 @@ def _fail(message: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from server.run import StartupError, serve
-
     try:
         settings = settings_from_args(args)
     except (ValidationError, SettingsError) as e:
@@ -119,12 +119,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    import uvicorn
-
-    from server.engine.prepare import prepare
-    from server.engine.startup import StartupError, describe
-    from server.observability import logs
-
     try:
         settings = settings_from_args(args)
     except (ValidationError, SettingsError) as e:
@@ -142,8 +136,6 @@ def cmd_prepare(args: argparse.Namespace) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """The dataset jobs' (``serve`` turns its own errors into the one ``error:`` line, ``cmd_serve``)."""
-    from server.jobs import cli as jobs_cli
-
     return jobs_cli.user_errors()
 
 
@@ -169,7 +161,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", dest="models", action="append", default=argparse.SUPPRESS, metavar=MODEL_METAVAR,
                    help=f"same as --models [env {env_of('models')}]")
     p.set_defaults(func=cmd_prepare, settings_source=source)
-
-    from server.jobs import cli as jobs_cli  # eval and embed: the served numerics over a dataset
-
     jobs_cli.add_commands(sub)

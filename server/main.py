@@ -11,6 +11,8 @@ Errors a user can fix print one line ``error: ...`` and exit with status 2.
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
 from export import cli as export_cli
@@ -36,8 +38,6 @@ def usage() -> str:
     """The usage line of every subcommand except ``serve`` and ``prepare`` (whose flags are Settings'
     fields: see ``softmoe serve --help``), as argparse prints it. docs/cli.md quotes this text, and
     tests/test_cli_docs.py checks that it still does, so the flags are declared in one place."""
-    import argparse
-
     lines = []
 
     def walk(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +48,6 @@ def usage() -> str:
         for name, child in subs[0].choices.items():
             if child.prog.split()[1:2] not in (["serve"], ["prepare"]):
                 walk(child)
-
-    import os
 
     saved = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal's width: fix it

@@ -39,7 +39,21 @@ class Metrics:
     """A registry per app (tests build many apps in one process)."""
 
     def __init__(self) -> None:
+        # Defined in this order, which is the order of the /metrics exposition.
         r = self.registry = CollectorRegistry()
+        self._define_latencies(r)
+        self._define_batching(r)
+        self._define_admission(r)
+        self._define_throughput(r)
+        ProcessCollector(registry=r)  # process_* (RSS, CPU, start time, open fds)
+        PlatformCollector(registry=r)  # python_info
+        self._define_outcomes_and_backend(r)
+        self._define_routing(r)
+        self._define_model_loads(r)
+        self._define_tracing(r)
+
+    def _define_latencies(self, r: CollectorRegistry) -> None:
+        """Time per image (or text) in each stage, and per HTTP request."""
         self.image_latency = Histogram(
             "softmoe_image_latency_seconds", "Per-image (or per-text) time spent in each stage",
             ["model", "stage"], buckets=LATENCY_BUCKETS, registry=r,
@@ -48,6 +62,9 @@ class Metrics:
             "softmoe_request_duration_seconds", "HTTP request duration",
             ["model", "endpoint", "status_class"], buckets=LATENCY_BUCKETS, registry=r,
         )
+
+    def _define_batching(self, r: CollectorRegistry) -> None:
+        """What each backend call carries (items, padding) and what waits in the queues for one."""
         self.batch_size = Histogram(
             "softmoe_batch_size", "Real items per backend call (padding excluded)",
             ["model"], buckets=BATCH_BUCKETS, registry=r,
@@ -58,6 +75,10 @@ class Metrics:
         )
         self.queue_depth = Gauge("softmoe_queue_depth", "Items waiting for the backend", ["model"], registry=r)
         self.queue_capacity = Gauge("softmoe_queue_capacity", "Items the model's queues admit", ["model"], registry=r)
+
+    def _define_admission(self, r: CollectorRegistry) -> None:
+        """Readiness and the door: connections, requests and refusals, the door's refusal
+        series created at 0 (a model's own come with ``init_model``)."""
         self.server_ready = Gauge("softmoe_server_ready", "1 while /v2/health/ready answers 200 (0 while draining)",
                                   registry=r)
         self.in_flight = Gauge("softmoe_requests_in_flight", "HTTP requests being handled", registry=r)
@@ -66,14 +87,21 @@ class Metrics:
         self.rejected = Counter(
             "softmoe_requests_rejected_total", "Requests refused before inference", ["model", "reason"], registry=r,
         )
+        for reason in REJECT_REASONS:
+            self.rejected.labels(DOOR, reason)
+
+    def _define_throughput(self, r: CollectorRegistry) -> None:
+        """Images (and texts) and backend calls processed, model readiness, GPU decode fallbacks."""
         self.images = Counter("softmoe_images_total", "Images (and texts) processed", ["model", "endpoint"], registry=r)
         self.model_ready = Gauge("softmoe_model_ready", "1 when the model is loaded and warmed up", ["model"], registry=r)
         self.batches = Counter("softmoe_batches_total", "Backend calls", ["model"], registry=r)
         self.gpu_decode_fallbacks = Counter(
             "softmoe_gpu_decode_fallbacks_total", "JPEGs nvJPEG refused (--decode-device cuda) and Pillow decoded",
             registry=r)
-        ProcessCollector(registry=r)  # process_* (RSS, CPU, start time, open fds)
-        PlatformCollector(registry=r)  # python_info
+
+    def _define_outcomes_and_backend(self, r: CollectorRegistry) -> None:
+        """Label cache lookups, body bytes in flight, error and response counts, the backend in use
+        and whether its worker runs."""
         self.cache_hits = Counter(
             "softmoe_label_cache_total", "Zero-shot label embedding lookups", ["model", "result"], registry=r,
         )
@@ -88,7 +116,10 @@ class Metrics:
         self.responses = Counter("softmoe_responses_total", "HTTP responses by status code (health and metrics "
                                  "excluded)", ["status"], registry=r)
         self.worker_alive = Gauge("softmoe_worker_alive", "1 while the device's batcher worker runs", registry=r)
-        # Routing statistics of sampled image traffic (softmoe_models.routing; --routing-stats-sample).
+
+    def _define_routing(self, r: CollectorRegistry) -> None:
+        """Routing statistics of sampled image traffic (softmoe_models.routing;
+        --routing-stats-sample), and the Sparse V-MoE drop counts."""
         self.routing_dispatch_entropy = Histogram(
             "softmoe_routing_dispatch_entropy", "Per sampled image and Soft MoE layer: the mean over slots of the "
             "entropy of a slot's dispatch weights over the tokens / log(tokens) (1: every slot averages all patches)",
@@ -124,6 +155,9 @@ class Metrics:
         self.routing_window_images = Gauge(
             "softmoe_routing_window_images", "Sampled images in the live routing window", ["model"], registry=r,
         )
+
+    def _define_model_loads(self, r: CollectorRegistry) -> None:
+        """Model loads by outcome, their duration and the time in each phase."""
         self.model_loads = Counter(
             "softmoe_model_loads_total", "Model loads (start-up and repository control), by outcome: success or "
             "failure (the serving version, if any, is untouched by a failure)", ["model", "outcome"], registry=r,
@@ -137,14 +171,14 @@ class Metrics:
             "(reading and checking files), export or bind (graphs built, or weights bound into a cached graph), "
             "session (the backend set up), proofs, warm-up", ["model", "phase"], buckets=LOAD_BUCKETS, registry=r,
         )
-        # --otlp-endpoint: spans handed to the OTLP exporter, by outcome (both 0 with tracing off).
+
+    def _define_tracing(self, r: CollectorRegistry) -> None:
+        """--otlp-endpoint: spans handed to the OTLP exporter, by outcome (both 0 with tracing off)."""
         self.trace_spans_exported = Counter(
             "softmoe_trace_spans_exported_total", "Trace spans the OTLP exporter delivered", registry=r)
         self.trace_export_failures = Counter(
             "softmoe_trace_export_failures_total", "Trace spans the OTLP exporter could not deliver (the collector "
             "refused them or could not be reached after the exporter's retries)", registry=r)
-        for reason in REJECT_REASONS:
-            self.rejected.labels(DOOR, reason)
 
     def init_model(self, model: str, functions: list[str] | tuple[str, ...] = ()) -> None:
         """Create every labelled series of ``model`` at 0 (counters) or empty (histograms)."""

@@ -5,9 +5,10 @@ Start-up happens before uvicorn takes over, in this order, and any failure is a
 
 1. bind the port (``--port`` in use fails here, before minutes of loading), and ``--grpc-port``;
 2. check the backend and device can run at all (onnxruntime installed, a CUDA device, ...);
-3. load every model (:func:`server.engine.models.load_served_model`);
-4. the app's lifespan (queues, batcher, warm-up of every batch shape), entered here rather than
-   by uvicorn, so a failure there is ours to report and not a uvicorn traceback with exit 3.
+3. open every model (:func:`server.engine.startup.load_models`);
+4. the app's lifespan, whose ``Engine.bring_up`` (the start-up of every door) attaches, warms and
+   proves them and starts the batcher, entered here rather than by uvicorn, so a failure there
+   is ours to report and not a uvicorn traceback with exit 3.
 
 On SIGTERM/SIGINT: readiness turns false and new requests get 503 (Retry-After) for
 ``drain_seconds`` (so load balancers and Kubernetes endpoints stop sending), then uvicorn stops
@@ -26,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import logging
+import os
 import signal
 import socket
 import sys
@@ -34,11 +37,19 @@ import threading
 from types import FrameType
 
 import uvicorn
+from uvicorn.config import LOOP_FACTORIES
+from uvicorn.importer import import_from_string
 
+from server.api.keys import KeyFileError, Keys
+from server.grpc_api import service as grpc_service
 from server.http.app import create_app
+from server.http.connection import bounded_protocol, default_max_connections
 from server.observability import logs
 from server.settings import Settings
 from server.engine.startup import StartupError, check_backend, describe, load_models
+from server.workers.process import child_setup, tell
+from server.workers.remote import RemoteBatcher, merge_process_metrics
+from server.workers.supervisor import Supervisor
 
 log = logging.getLogger("softmoe.server")
 
@@ -120,10 +131,8 @@ async def _start_grpc(app, grace: float, reuse_port: bool = False):
     settings = app.state.settings
     if not settings.grpc_port:
         return None
-    from server.grpc_api.service import start
-
     try:
-        return await start(app, settings.host, settings.grpc_port, reuse_port=reuse_port)
+        return await grpc_service.start(app, settings.host, settings.grpc_port, reuse_port=reuse_port)
     except OSError as e:
         raise StartupError(f"--grpc-port {settings.grpc_port}: {e} (0 turns gRPC off)") from None
 
@@ -139,8 +148,6 @@ def uvicorn_options(settings: Settings, metrics) -> dict:
     """What every uvicorn serving an app here is given (tests' live servers too): the HTTP protocol
     with bounded request heads (server.http.connection), no access log, and a graceful shutdown that
     outlasts the longest request."""
-    from server.http.connection import bounded_protocol, default_max_connections
-
     return dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(), access_log=False,
                 http=bounded_protocol(settings.header_timeout_s, settings.max_header_bytes, settings.request_timeout_s,
                                           settings.max_connections or default_max_connections(), metrics),
@@ -185,8 +192,6 @@ def serve(settings: Settings) -> None:
             raise StartupError(f"--grpc-port: {e} (0 turns gRPC off)") from None
     try:
         if settings.frontend_workers >= 2:  # N front-end processes and one engine process
-            from server.workers.supervisor import Supervisor
-
             Supervisor(settings, sock, _frontend_main).run()
         else:
             run_on_uvicorns_loop(_serve(_prepare(settings), sock))
@@ -200,8 +205,6 @@ def check_operations(settings: Settings) -> None:
     Raises:
         StartupError: naming the flag.
     """
-    from server.api.keys import KeyFileError, Keys
-
     try:
         Keys(settings)
     except KeyFileError as e:
@@ -216,9 +219,7 @@ def run_on_uvicorns_loop(coro) -> None:
     """``asyncio.run(coro)`` on the event loop ``uvicorn.run`` would pick: uvloop where it is
     installed (a project dependency on Linux), else asyncio's. With uvloop and httptools (which
     uvicorn's ``http="auto"`` picks) the front end spends about a quarter less CPU per request."""
-    from uvicorn.config import LOOP_FACTORIES  # not uvicorn.Config(): it would reconfigure logging
-    from uvicorn.importer import import_from_string
-
+    # the factory from uvicorn's own table, not uvicorn.Config(): that would reconfigure logging
     factory = import_from_string(LOOP_FACTORIES["auto"])(use_subprocess=False)
     if sys.version_info >= (3, 11):
         with asyncio.Runner(loop_factory=factory) as runner:
@@ -240,8 +241,6 @@ def _http_parser(http) -> str:
         return f"{getattr(http, 'parser_name', http.__name__)}, {getattr(http, 'limits', 'no limits')}"
     if http != "auto":
         return http
-    import importlib.util
-
     return "httptools" if importlib.util.find_spec("httptools") is not None else "h11"
 
 
@@ -251,10 +250,6 @@ def _http_parser(http) -> str:
 def _frontend_main(settings: Settings, index: int, sock: socket.socket, path: str, token: bytes, lock,
                    metrics_dir: str, report) -> None:
     """A front-end process: the app with a RemoteBatcher, uvicorn on the shared socket."""
-    import os
-
-    from server.workers.process import child_setup, tell
-
     child_setup(settings.log_level, lambda: os.kill(os.getpid(), signal.SIGTERM), settings.log_format)
     try:
         run_on_uvicorns_loop(_serve_frontend(settings, index, sock, path, token, lock, metrics_dir, report))
@@ -270,11 +265,6 @@ async def _serve_frontend(settings: Settings, index: int, sock: socket.socket, p
                           metrics_dir: str, report) -> None:
     """Connect to the engine, build the app from its description, enter the lifespan (no warm-up:
     the engine did it), report ready, serve until a signal."""
-    import os
-
-    from server.workers.process import tell
-    from server.workers.remote import RemoteBatcher, merge_process_metrics
-
     remote = RemoteBatcher(settings.device, index, lock)
     try:
         await remote.connect(path, token)

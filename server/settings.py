@@ -5,6 +5,8 @@ Precedence: command-line flag > environment variable > default.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
@@ -263,13 +265,9 @@ class Settings(BaseSettings):
         """``auto`` becomes a concrete backend at once, so everything downstream (and the logs,
         metrics and /v2/models) names what really runs."""
         if self.backend == "auto":
-            import importlib.util
-
             cpu_ort = self.device == "cpu" and importlib.util.find_spec("onnxruntime") is not None
             self.backend = "onnxruntime" if cpu_ort else "torch"
         if self.concurrent_batches == 0:  # auto, resolved here like the backend
-            import os
-
             threads = self.threads or len(os.sched_getaffinity(0))
             wide = self.wide_lone_batches and self.device == "cpu" and self.backend == "onnxruntime"
             self.concurrent_batches = 2 if wide and threads >= 2 else 1

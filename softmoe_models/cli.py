@@ -18,7 +18,15 @@ import json
 import sys
 from pathlib import Path
 
-from .config import TEXT_POOLS
+import torch
+
+from .config import DISPATCH_DTYPES, TEXT_POOLS, VARIANTS, variant_config
+from .convert import convert_checkpoint
+from .convert.errors import ConversionError
+from .convert.presets import PRESETS
+from .convert.sparse import SPARSE_ROUTERS
+from .models import build_model, count_params
+from .package import PackageError, save_package
 
 
 class CLIError(Exception):
@@ -58,9 +66,6 @@ def _parse_size(text: str) -> float:
 
 
 def cmd_models(args: argparse.Namespace) -> None:
-    from .config import VARIANTS
-    from .models import count_params
-
     rows = []
     for name, v in VARIANTS.items():
         cfg = v.config(num_classes=args.num_classes, image_size=args.image_size)
@@ -88,8 +93,6 @@ def cmd_models(args: argparse.Namespace) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> None:
-    from .convert import convert_checkpoint
-
     labels = None
     if args.labels:
         try:
@@ -121,12 +124,6 @@ def _read_labels(path: Path) -> list[str]:
 
 
 def cmd_init(args: argparse.Namespace) -> None:
-    import torch
-
-    from .config import variant_config
-    from .models import build_model
-    from .package import save_package
-
     try:
         cfg = variant_config(args.variant, num_classes=args.num_classes, image_size=args.image_size)
     except ValueError as e:
@@ -144,8 +141,6 @@ def cmd_init(args: argparse.Namespace) -> None:
 
 def _init_weights(model: "torch.nn.Module") -> None:  # noqa: F821
     """Random weights with sensible scales: position embeddings N(0, 0.02), the rest as built."""
-    import torch
-
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("pos_embed"):
@@ -153,6 +148,7 @@ def _init_weights(model: "torch.nn.Module") -> None:  # noqa: F821
 
 
 def cmd_train_demo(args: argparse.Namespace) -> None:
+    # heavy: scikit-learn (the digits) only for the command that trains on them
     from .demo.train import train_demo
 
     train_demo(args.out, seed=args.seed, epochs=args.epochs, lit_steps=args.lit_steps)
@@ -166,10 +162,6 @@ def _add_variant_shape(p: argparse.ArgumentParser, num_classes: int, num_classes
 
 def _add_sparse_flags(p: argparse.ArgumentParser) -> None:
     """What a sparse V-MoE checkpoint's parameters cannot show (softmoe_models/convert/sparse.py)."""
-    from .config import DISPATCH_DTYPES
-    from .convert.presets import PRESETS
-    from .convert.sparse import SPARSE_ROUTERS
-
     g = p.add_argument_group("sparse V-MoE (checkpoints with Moe/Router/dense/kernel)")
     g.add_argument("--preset", choices=list(PRESETS), metavar="NAME",
                    help="a public V-MoE checkpoint (gs://vmoe_checkpoints/NAME): sets router, K, batch priority and "
@@ -231,9 +223,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 def user_errors() -> tuple[type[BaseException], ...]:
     """This layer's exceptions whose message is meant for the user (one line, exit status 2)."""
-    from .convert.errors import ConversionError
-    from .package import PackageError
-
     return (CLIError, ConversionError, PackageError)
 
 

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import EncoderConfig
+from .soft_moe import SoftMoE
+from .sparse_moe import SparseMoE
 
 LN_EPS = 1e-6
 
@@ -99,12 +101,8 @@ class EncoderBlock(nn.Module):
         self.norm2 = layer_norm(d)
         self.mlp: nn.Module
         if moe and cfg.moe is not None and cfg.moe.sparse:
-            from .sparse_moe import SparseMoE
-
             self.mlp = SparseMoE.from_config(d, cfg.moe, cfg.moe.mlp_dim or cfg.mlp_dim)
         elif moe:
-            from .soft_moe import SoftMoE
-
             assert cfg.moe is not None
             self.mlp = SoftMoE(
                 dim=d,

@@ -6,14 +6,13 @@ import torch
 from torch import nn
 
 from .config import ModelConfig, SeqEncoderConfig, TwoTowerConfig, ViTConfig
+from .encoder import SoftMoESequenceEncoder
+from .two_tower import TwoTower
+from .vit import VisionTransformer
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device | None = None) -> nn.Module:
     """The PyTorch module for ``cfg``; ``device='meta'`` allocates nothing."""
-    from .encoder import SoftMoESequenceEncoder
-    from .two_tower import TwoTower
-    from .vit import VisionTransformer
-
     with torch.device(device or "cpu"):
         if isinstance(cfg, ViTConfig):
             return VisionTransformer(cfg)

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import ModelConfig, TwoTowerConfig, ViTConfig, from_dict, kind_of, to_dict
@@ -109,8 +111,6 @@ def save_package(
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` (built from ``cfg``) as a package directory; returns its path."""
-    from safetensors.torch import save_file
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     kind = kind_of(cfg)
@@ -193,9 +193,6 @@ def load_weights(pkg: Package, model: nn.Module, *, device: str | torch.device |
             the host, as stored.
         dtype: with ``device``: cast floating tensors to this dtype.
     """
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
-
     weights = pkg.path / WEIGHTS_FILE
     if not weights.is_file():
         raise PackageError(f"{pkg.path}: missing {WEIGHTS_FILE}")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+from PIL import Image
 
 Resize = Literal["bilinear", "bicubic", "nearest", "box", "lanczos", "hamming"]
 
@@ -65,10 +66,8 @@ def _affine(u8: np.ndarray, value_range: tuple[float, float]) -> np.ndarray:
     return np.float32(lo) + np.float32(hi - lo) * x
 
 
-def resize_image(image: "PIL.Image.Image", cfg: PreprocessConfig) -> "PIL.Image.Image":  # noqa: F821
+def resize_image(image: Image.Image, cfg: PreprocessConfig) -> Image.Image:
     """Resize (and optionally centre-crop) an RGB PIL image to the model's square size."""
-    from PIL import Image
-
     resample = {
         "bilinear": Image.Resampling.BILINEAR,
         "bicubic": Image.Resampling.BICUBIC,
@@ -90,12 +89,12 @@ def resize_image(image: "PIL.Image.Image", cfg: PreprocessConfig) -> "PIL.Image.
     return image.resize((size, size), resample)
 
 
-def preprocess_image(image: "PIL.Image.Image", cfg: PreprocessConfig) -> np.ndarray:  # noqa: F821
+def preprocess_image(image: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
     """A decoded PIL image in any mode -> ``(3, S, S)`` float32 pixel values."""
     return to_pixel_values(model_rgb(image, cfg), cfg)
 
 
-def model_rgb(image: "PIL.Image.Image", cfg: PreprocessConfig) -> np.ndarray:  # noqa: F821
+def model_rgb(image: Image.Image, cfg: PreprocessConfig) -> np.ndarray:
     """A decoded PIL image in any mode -> ``(S, S, 3)`` uint8 RGB at the model's size (resized, not
     yet mapped to ``value_range``)."""
     if image.mode != "RGB":

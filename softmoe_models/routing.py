@@ -14,8 +14,8 @@ mixes and how much each expert contributes; these are the cheap, bounded version
     expert_share      (n,) sum_t sum_{j of e} C[t, j] / m      expert e's share of the layer's output
                                                                mass (sums to 1 over experts)
 
-Reference profile (``routing_profile.json`` in the package, computed here from calibration images:
-the held-out digits for the demo packages, else a directory of images): per layer, the mean and
+Reference profile (``routing_profile.json`` in the package, computed here from calibration pixels
+the caller gives: ``softmoe_models.demo.calibration`` picks them): per layer, the mean and
 variance over images of the expert shares and the mean and std of both entropies.
 
 Drift: the live window is the last W sampled images. Its divergence from the profile is the
@@ -41,6 +41,10 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+
+from . import sparse_routing
+from .config import TwoTowerConfig, ViTConfig
+from .soft_moe import capture_routing, soft_moe_layers
 
 PROFILE_FORMAT = "softmoe-routing-profile"
 PROFILE_FILE = "routing_profile.json"
@@ -72,8 +76,6 @@ class Layout:
 def layout_for(cfg: Any) -> Layout | None:
     """The routing layout of a model config (a classifier, or a two-tower's image tower); None
     when the image model has no Soft MoE layer or the model takes no images."""
-    from .config import TwoTowerConfig, ViTConfig
-
     image = cfg.image if isinstance(cfg, TwoTowerConfig) else cfg if isinstance(cfg, ViTConfig) else None
     moe = image.encoder.moe if image is not None else None
     if moe is None or not moe.layers or moe.sparse:
@@ -85,36 +87,26 @@ def layout_for(cfg: Any) -> Layout | None:
 def any_layout(cfg: Any):
     """The routing layout of an image model's MoE layers: a :class:`Layout` (Soft MoE), a
     ``sparse_routing.SparseLayout`` (sparse V-MoE), or None when it has none."""
-    from . import sparse_routing
-
     return layout_for(cfg) or sparse_routing.layout_for(cfg)
 
 
 def outputs_of(layout: Any) -> tuple[str, ...]:
     """The extra outputs of the routing graph of ``layout``'s model, after the plain ones."""
-    from . import sparse_routing
-
     return OUTPUTS if isinstance(layout, Layout) else sparse_routing.OUTPUTS
 
 
 def stats_of(layout: Any) -> tuple[str, ...]:
     """The per-image statistics among them (the server keeps these from sampled calls)."""
-    from . import sparse_routing
-
     return STATS if isinstance(layout, Layout) else sparse_routing.STATS
 
 
 def any_routing_of(model: torch.nn.Module, pixels: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
     """``routing_of`` or ``sparse_routing.routing_of``, by the model's MoE layers."""
-    from . import sparse_routing
-
     return routing_of(model, pixels) if layout_for(model.cfg) is not None else sparse_routing.routing_of(model, pixels)
 
 
 def any_image_routing(layout: Any, outputs: dict[str, np.ndarray], layers: Sequence[int] | None = None) -> list[dict]:
     """``image_routing`` or ``sparse_routing.image_routing``, by ``layout``'s kind."""
-    from . import sparse_routing
-
     if isinstance(layout, Layout):
         return image_routing(layout, outputs, layers)
     return sparse_routing.image_routing(layout, outputs, layers)
@@ -146,8 +138,6 @@ def routing_statistics(dispatch: torch.Tensor, combine: torch.Tensor, num_expert
 def routing_of(model: torch.nn.Module, pixels: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
     """The torch model's own routing for a batch of pixel values: every name in ``OUTPUTS``
     (``(B, L, m, s)`` weights and the statistics), the reference the served maps are checked against."""
-    from .soft_moe import capture_routing, soft_moe_layers
-
     image = getattr(model, "image", model)  # a two-tower's image tower
     layers = soft_moe_layers(image)
     n = layers[0].num_experts
@@ -284,34 +274,7 @@ class Window:
         return float(np.mean(chi2) * (1 / max(1, self.count) + 1 / n_cal) / (8 * math.log(2)))
 
 
-# ------------------------------------------------------------------ calibration and the package
-
-
-def calibration_pixels(package: Path, images: Path | None = None, limit: int | None = None) -> tuple[np.ndarray, str]:
-    """``(N, 3, H, W)`` calibration pixels and a description of where they come from: the files of
-    ``images`` (decoded and preprocessed by the package's contract), else the held-out digits of a
-    package made by ``softmoe train-demo``."""
-    from .package import read_package
-    from .preprocess import preprocess_image
-
-    pkg = read_package(package)
-    if images is not None:
-        from PIL import Image
-
-        files = sorted(p for p in Path(images).iterdir() if p.is_file())[:limit]
-        if not files:
-            raise ValueError(f"no image files in {images}")
-        rows = []
-        for f in files:
-            with Image.open(f) as im:
-                rows.append(preprocess_image(im, pkg.preprocess))
-        return np.stack(rows).astype(np.float32), f"{len(files)} images from {Path(images).name}/"
-    if pkg.meta.get("provenance", {}).get("source") == "softmoe train-demo":
-        from .demo.data import load_splits
-
-        _, held = load_splits()
-        return held.pixels[:limit], "sklearn digits held out by train-demo (index % 5 == 0)"
-    raise ValueError(f"{package}: no held-out images known for this package; pass --images DIR")
+# ------------------------------------------------------------------ the profile in the package
 
 
 def write_profile(package: str | Path, profile: dict[str, Any]) -> Path:

@@ -23,10 +23,15 @@ def main(argv: list[str] | None = None) -> None:
                    "package's held-out digits, for train-demo packages)")
     p.add_argument("--limit", type=int, default=None, help="use at most this many images")
     args = parser.parse_args(argv)
+    # heavy (torch), imported once the arguments are read: --help and usage errors answer at once
     import torch
 
+    # torch too, through the package and the models
     from .package import load_model
-    from .routing import calibration_pixels, compute_profile, write_profile
+    # torch too, through the package (the digits load scikit-learn when read)
+    from .demo.calibration import calibration_pixels
+    # torch too
+    from .routing import compute_profile, write_profile
 
     torch.manual_seed(0)
     pixels, source = calibration_pixels(args.package, args.images, args.limit)

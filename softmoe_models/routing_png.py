@@ -13,6 +13,7 @@ import io
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+from PIL import Image, ImageDraw
 
 if TYPE_CHECKING:
     from .routing import Layout
@@ -28,8 +29,6 @@ def _u8(pixels: np.ndarray, value_range: tuple[float, float]) -> np.ndarray:
 def _panel(rgb: np.ndarray, weights: np.ndarray | None, grid: int, title: str, side: int):
     """The image enlarged to ``side`` with one slot's dispatch map over the patch grid (red,
     stretched between that slot's smallest and largest weight) and a title strip."""
-    from PIL import Image, ImageDraw
-
     base = Image.fromarray(rgb, "RGB").resize((side, side), Image.Resampling.NEAREST)
     cell = side / grid
     if weights is not None:
@@ -85,8 +84,6 @@ def render_png(layout: Layout, pixels: Sequence[np.ndarray], outputs: Sequence[d
         slots: panels per row after the image.
         captions: per image, a short text for its first panel (e.g. the prediction).
     """
-    from PIL import Image
-
     side = panel_side(layout)
     keep = set(layout.layers if layers is None else layers)
     off = 1 if layout.cls else 0

@@ -36,6 +36,10 @@ import math
 import numpy as np
 import torch
 
+from .config import TwoTowerConfig, ViTConfig
+from .soft_moe import capture_routing
+from .sparse_moe import sparse_moe_layers
+
 # The routing outputs, per image ``(L, ...)`` (names are the wire contract, as routing.OUTPUTS):
 # the maps, then the statistics.
 STATS = ("dispatch_entropy", "combine_entropy", "expert_share", "dropped_choices")
@@ -67,8 +71,6 @@ class SparseLayout:
 def layout_for(cfg: Any) -> SparseLayout | None:
     """The sparse routing layout of a model config (a classifier, or a two-tower's image tower);
     None when its image model has no sparse MoE layer or the model takes no images."""
-    from .config import TwoTowerConfig, ViTConfig
-
     image = cfg.image if isinstance(cfg, TwoTowerConfig) else cfg if isinstance(cfg, ViTConfig) else None
     moe = image.encoder.moe if image is not None else None
     if moe is None or not moe.layers or not moe.sparse:
@@ -110,9 +112,6 @@ def routing_statistics(combine: torch.Tensor, dropped: torch.Tensor
 def routing_of(model: torch.nn.Module, pixels: np.ndarray | torch.Tensor) -> dict[str, np.ndarray]:
     """The torch model's own sparse routing for a batch of pixel values: every name in ``OUTPUTS``,
     ``(B, L, m, E)``, ``(B, L, m)``, ``(B, L, E)``."""
-    from .soft_moe import capture_routing
-    from .sparse_moe import sparse_moe_layers
-
     image = getattr(model, "image", model)  # a two-tower's image tower
     layers = sparse_moe_layers(image)
     if not layers:

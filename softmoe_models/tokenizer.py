@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sentencepiece as spm
 
 _ASCII_LOWER = str.maketrans({c: c.lower() for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ"})
 _NO_PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -53,8 +54,6 @@ class Tokenizer:
             special_tokens: texts matched verbatim before normalisation, each ``{"text", "id", "lstrip", "rstrip"}``.
             eos_if_absent: do not append the EOS to ids that already end with it.
         """
-        import sentencepiece as spm
-
         if lowercase not in ("ascii", "unicode", "none"):
             raise ValueError(f"text contract: lowercase {lowercase!r} is not one of 'ascii', 'unicode', 'none'")
         if isinstance(model_file, bytes):

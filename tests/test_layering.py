@@ -323,3 +323,80 @@ def later():
     assert server_problems("from server.api import oip\n", "server.engine.core", "server/engine/core.py") == [
         "server/engine/core.py:1: server.engine -> server.api (imports server.api)"]
     assert "no rank" in server_problems("from server.novel import x\n", "server.api.oip", "server/api/oip.py")[0]
+
+
+# Imports placed inside a function, per room (a layer; inside server, its part). Each hides an
+# arrow until the function runs; the ones that stay keep a heavy optional dependency out of a
+# process that does not need it, or break a real cycle (issue 44). The counts may only fall:
+# a new one fails here, and one removed asks for its room's figure to be lowered.
+IMPORTS_IN_FUNCTIONS = {
+    "softmoe_models": 8, "export": 34, "server": 0, "server.api": 0, "server.backends": 9,
+    "server.engine": 1, "server.http": 0, "server.jobs": 5, "server.observability": 6,
+    "server.pipeline": 2, "server.workers": 0,
+}
+
+
+def imports_in_functions(tree: ast.AST) -> list[int]:
+    """Lines of the import statements inside a function (or a method) of ``tree``, each once
+    however deep the functions nest."""
+    found: dict[int, int] = {}
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    found[id(node)] = node.lineno
+    return sorted(found.values())
+
+
+def room_of(module: str) -> str:
+    """``server.engine.core`` -> ``server.engine``; a module directly under server, or any
+    module of the other layers -> its layer."""
+    parts = module.split(".")
+    if parts[0] == "server" and len(parts) > 2:
+        return f"server.{parts[1]}"
+    return parts[0]
+
+
+def test_imports_inside_functions_never_grow_per_room():
+    counts: dict[str, list[str]] = {}
+    for path in layer_sources():
+        module, _ = module_of(path)
+        for line in imports_in_functions(ast.parse(path.read_text(), filename=str(path))):
+            counts.setdefault(room_of(module), []).append(f"{path.relative_to(ROOT)}:{line}")
+    grew = {room: len(where) for room, where in counts.items() if len(where) > IMPORTS_IN_FUNCTIONS.get(room, 0)}
+    fell = {room: len(counts.get(room, [])) for room, n in IMPORTS_IN_FUNCTIONS.items() if len(counts.get(room, [])) < n}
+    assert not grew, f"imports inside functions grew (room: count now): {grew}; place them at the top of the module"
+    assert not fell, f"imports inside functions fell (room: count now): {fell}; lower IMPORTS_IN_FUNCTIONS to match"
+
+
+def test_the_function_import_counter_counts_nested_imports_once_and_module_imports_never():
+    tree = ast.parse("import os\n"
+                     "def f():\n    import json\n    def g():\n        from x import y\n"
+                     "class C:\n    def m(self):\n        import re\n")
+    assert imports_in_functions(tree) == [3, 5, 8]
+    assert room_of("server.engine.core") == "server.engine" and room_of("server.cli") == "server"
+    assert room_of("export.onnx") == "export"
+
+
+# A function a reader can hold (issue 44): none longer than this in server/, export/ or
+# softmoe_models/; loadtests' mains may run longer.
+MAX_FUNCTION_LINES = 100
+
+
+def long_functions(tree: ast.AST, limit: int = MAX_FUNCTION_LINES) -> list[tuple[str, int, int]]:
+    """(name, first line, lines) of each function or method of ``tree`` longer than ``limit``,
+    decorators left out, nested functions counted in their own right and in their parent."""
+    return [(fn.name, fn.lineno, fn.end_lineno - fn.lineno + 1) for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.end_lineno - fn.lineno + 1 > limit]
+
+
+def test_no_function_is_longer_than_a_reader_can_hold():
+    found = [f"{path.relative_to(ROOT)}:{line} {name} ({n} lines)" for path in layer_sources()
+             for name, line, n in long_functions(ast.parse(path.read_text(), filename=str(path)))]
+    assert not found, f"functions over {MAX_FUNCTION_LINES} lines; split them into named steps: {found}"
+
+
+def test_the_length_check_measures_from_def_to_the_last_line():
+    tree = ast.parse("@decorated\ndef f():\n" + "    x = 1\n" * 4 + "\ndef g():\n    def h():\n        pass\n")
+    assert long_functions(tree, 4) == [("f", 2, 5)]
+    assert long_functions(tree, 2) == [("f", 2, 5), ("g", 8, 3)]

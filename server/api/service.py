@@ -26,6 +26,7 @@ from server.batching.batcher import Batcher, ModelQueue, Result
 from server.errors import BadRequest, ClientDisconnected, NotFound, ServiceError, Unavailable, Unprocessable
 from server.metrics import Metrics
 from server.pipeline import postprocess as post
+from server.pipeline.gpu_decode import open_decoder
 from server.pipeline.prepare import prepare_image
 from server.pipeline.probe import ImageInfo, budget, probe
 from server.engine.models import PIXELS, ROUTING, ServedModel
@@ -171,8 +172,6 @@ class Service:
         self.label_cache = LabelCache(settings.label_cache_size)
         self.gpu_jpeg = None  # --decode-device cuda: nvJPEG (server/pipeline/gpu_decode.py)
         if settings.decode_device == "cuda":
-            from server.pipeline.gpu_decode import open_decoder
-
             self.gpu_jpeg = open_decoder()
 
     # ------------------------------------------------------------------ model lookup

@@ -57,6 +57,7 @@ class Backend(Protocol):
 
 def specs_from_graphs(graphs) -> dict[str, FunctionSpec]:
     """FunctionSpecs from ``export.graphs`` Graph objects, keyed by server function name."""
+    # torch: heavy; this module is read by the pipeline, which loads no torch
     import torch
 
     role_to_fn = {"classifier": "classify", "image": "image", "text": "text", "encoder": "encoder"}

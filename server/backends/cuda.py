@@ -23,6 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from export.runtime import session_options, with_package_weights
 from server.errors import ModelLoadError
 
 from server.backends.base import FunctionSpec, Rows
@@ -281,6 +282,7 @@ def ort_quiet(ort: Any):
 
 def _probe_graph() -> bytes:
     """A one-node ONNX graph (y = x + x on float32 [1]): enough to make the CUDA EP load and run."""
+    # onnx: heavy; only the CUDA probe needs it here
     from onnx import TensorProto, helper
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
@@ -333,26 +335,31 @@ def ort_cuda_preflight(ort: Any) -> None:
 
 
 def ort_cuda_session(path: str | Path, *, device_id: int = 0, cuda_graph: bool = False,
-                     strict_placement: bool = False, threads: int | None = None) -> Any:
+                     strict_placement: bool = False, threads: int | None = None,
+                     weights: str | Path | None = None) -> Any:
     """An InferenceSession on the CUDA EP that cannot quietly become a CPU session.
 
     ``enable_fallback=0`` turns off the Python API's retry on CPU after an EP error. With
     ``strict_placement`` ORT refuses a graph any of whose nodes would run on the CPU EP
     (``session.disable_cpu_ep_fallback``). That includes the shape-computation nodes the CUDA EP
     leaves on the CPU on purpose, so it is off by default; the caller checks ``get_providers()``.
+    ``weights``: the package's weights file a bound graph reads initializers from
+    (``export.runtime.with_package_weights``).
     """
+    # onnxruntime: an optional extra, loaded only when a session is made
     import onnxruntime as ort
 
-    from export.runtime import session_options
-
     opts = session_options(threads)
+    package = with_package_weights(opts, path, weights)
     opts.use_deterministic_compute = True
     if strict_placement:
         opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     providers = [(CUDA_EP, ort_cuda_provider_options(device_id, cuda_graph))]
     try:
         with ort_quiet(ort):
-            return ort.InferenceSession(str(path), sess_options=opts, providers=providers, enable_fallback=0)
+            session = ort.InferenceSession(str(path), sess_options=opts, providers=providers, enable_fallback=0)
+        session.package_weights = package
+        return session
     except Exception as e:  # noqa: BLE001 - ORT raises several types; one line names the file and cause
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
         raise DeviceUnavailableError(f"{Path(path).name}: onnxruntime could not create a {CUDA_EP} session: {first}") from None
@@ -420,7 +427,7 @@ class OrtCudaGraphRunner:
 
 def _ort_cuda_load_error() -> str:
     """Why ORT's CUDA provider library does not load, as the dynamic loader says it (one line)."""
-    try:
+    try:  # onnxruntime: an optional extra; whether it imports is part of the answer
         import onnxruntime as ort
 
         capi = Path(ort.__file__).parent / "capi"

@@ -44,10 +44,11 @@ def cache_root(cache_dir: str) -> Path:
 # Bumped whenever the exported graph changes for the same inputs (e.g. LayerNorm held in fp32 under
 # fp16): the cache key covers the exporter's code, not only its version number.
 # 3: token means (gap pooling) as MatMuls, so batch shape 1 is provable (export/onnx.py).
-# 5: the graphs of a structure are exported once and other packages' weights bound into them.
 # 4: sparse Tokens Choice computes the routed rows only, Experts Choice runs per-expert Gemms, every
 #    sparse export is verified among other batch-mates, and bf16 dispatch is held to its bound.
-GRAPH_FORMAT = 5
+# 5: the graphs of a structure are exported once and other packages' weights bound into them.
+# 6: the graphs read their weights from the package's own file (export.weights_file).
+GRAPH_FORMAT = 6
 
 # Packages whose weights are at least this large are exported in a child process: all of them, so
 # that a first start ends where a cached one does. Exporting in the server's own process left it
@@ -86,7 +87,14 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     kept without their weights (``export.binding``); every other package of it has its weights
     bound into them and verified against PyTorch (``export.onnx.bind_onnx``), in seconds where an
     export takes minutes. A binding that fails verification is logged and the package exported.
+
+    The entry holds no copy of the package's weights: its graphs read them from the package's
+    ``model.safetensors`` (``export.weights_file``; hashed here with the package), and the entry
+    keeps only the tensors that file does not hold as the graphs take them (transposed ones) in
+    ``model.derived.data``. A session of these graphs is given that file (``OnnxRuntimeBackend``'s
+    ``weights``, ``export.runtime.ort_session``'s).
     """
+    # onnxruntime: an optional extra; the engine imports this module whatever the backend
     import onnxruntime
 
     # Per-expert matmuls win on CPU only; on GPU one batched matmul over the stacked experts
@@ -134,17 +142,24 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
         started = time.perf_counter()
         log(f"exporting {package} to ONNX ({precision}, {experts} experts) and verifying it"
             + (" in a child process" if child else ""))
-        staging = tmp / ".structure"
+        scratch, staging = tmp / ".export", tmp / ".structure"  # the exported graphs, then their structure
         with phase("export"):
             if child:
-                names = _in_child("export", package, tmp / "model.onnx", settings, staging)
+                names = _in_child("export", package, scratch / "model.onnx", settings, staging, bound=tmp)
             else:
                 detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
-                files = exporter.export_onnx(package, tmp / "model.onnx", log=detail, structure_out=staging,
-                                             **settings)  # raises unless verified
+                files = exporter.export_onnx(package, scratch / "model.onnx", log=detail, structure_out=staging,
+                                             bound_out=tmp, **settings)  # raises unless verified
                 names = [f.path.name for f in files]
         log(f"exported and verified in {time.perf_counter() - started:.1f} s")
         _publish_structure(structure_root, structure_key, staging, structure_inputs, log)
+        bound = all((tmp / name).is_file() for name in names)  # the graphs as read from the package's weights
+        for f in scratch.iterdir():
+            if bound:
+                f.unlink()
+            else:  # an unbindable structure: the graphs as exported
+                shutil.move(str(f), tmp / f.name)
+        scratch.rmdir()
         return names
 
     try:
@@ -177,15 +192,17 @@ def _weight_bytes(package: Path) -> int:
     return sum(f.stat().st_size for f in Path(package).glob("*.safetensors"))
 
 
-def _in_child(mode: str, package: Path, out: Path, settings: dict, structure: Path) -> list[str]:
-    """``export_onnx`` (``mode`` export, writing the structure into ``structure``) or ``bind_onnx``
+def _in_child(mode: str, package: Path, out: Path, settings: dict, structure: Path, bound: Path | None = None
+              ) -> list[str]:
+    """``export_onnx`` (``mode`` export, writing the structure into ``structure`` and the graphs
+    bound to the package's weights into ``bound``) or ``bind_onnx``
     (``mode`` bind, from ``structure``) in a child interpreter (``python -c``, not multiprocessing,
     which would re-run an unguarded main script): its memory goes back to the OS when it exits.
     Returns the file names it wrote; its failure, or its death (killed for memory), is one
     ``ExportError``."""
     nice = 19 if _weight_bytes(package) >= LOW_PRIORITY_EXPORT_BYTES else 0
     args = json.dumps({"mode": mode, "package": str(package), "out": str(out), "settings": settings, "nice": nice,
-                       "structure": str(structure)})
+                       "structure": str(structure), "bound": str(bound) if bound else None})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
     r = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True, text=True,
                        stdin=subprocess.DEVNULL, env=env)
@@ -209,7 +226,7 @@ try:
         files = bind_onnx(args["package"], args["structure"], args["out"], log=lambda *a: None, **args["settings"])
     else:
         files = export_onnx(args["package"], args["out"], log=lambda *a: None, structure_out=args["structure"],
-                            **args["settings"])
+                            bound_out=args["bound"], **args["settings"])
 except Exception as e:
     print(f"{type(e).__name__}: {' '.join(str(e).split())}"[:500], file=sys.stderr)
     sys.exit(2)
@@ -222,7 +239,8 @@ class OnnxRuntimeBackend:
 
     def __init__(self, files: list[Path], *, device: str = "cpu", max_batch_size: int = 8, threads: int = 0,
                  cuda_graph: bool = False, strict_placement: bool = False, routing: bool = True,
-                 spin: str = "run", lone_threads: int = 0, background: bool = False) -> None:
+                 spin: str = "run", lone_threads: int = 0, background: bool = False,
+                 weights: Path | None = None) -> None:
         """Sessions for ``files``. On cuda only the CUDA EP is requested (deterministic options,
         ``server.backends.cuda``) and every session must really have it active, else
         ``DeviceUnavailableError``: never served from CPU.
@@ -246,7 +264,10 @@ class OnnxRuntimeBackend:
             background: on cpu, each session is set up at the lowest CPU priority, its intra-op
                 threads at the caller's (``export.runtime.BackgroundBuiltSession``): the engine
                 asks for it when it loads a model while it serves.
+            weights: the package's ``model.safetensors``, which graphs ``exported_files`` bound
+                read their initializers from (hash-checked by the caller).
         """
+        # onnxruntime: an optional extra, loaded only by a backend that uses it
         import onnxruntime as ort
 
         if device not in ("cpu", "cuda"):
@@ -284,12 +305,12 @@ class OnnxRuntimeBackend:
                 continue
             if device == "cuda":
                 sess = cuda.ort_cuda_session(path, cuda_graph=self.cuda_graph, strict_placement=strict_placement,
-                                        threads=threads or None)
+                                             threads=threads or None, weights=weights)
                 cuda.require_ort_provider(sess, path)
             else:
                 n = threads if not lone_threads or path in partnered else lone_threads
                 sess = ort_session(path, threads=n or None, providers=["CPUExecutionProvider"], spin=spin,
-                                   background=background)
+                                   background=background, weights=weights)
                 if lone_threads and path in partnered:
                     self.narrow.add(fn)
             self._built.append((fn, path, threads if device == "cuda" else n))
@@ -333,6 +354,7 @@ class OnnxRuntimeBackend:
             if self.cuda_graph:
                 runner = self._graph_runners.get(fn)
                 if runner is None:
+                    # onnxruntime: the optional extra (already loaded by __init__)
                     import onnxruntime as ort
 
                     runner = self._graph_runners[fn] = cuda.OrtCudaGraphRunner(ort, self.sessions[fn], self._specs[fn],
@@ -356,6 +378,7 @@ class OnnxRuntimeBackend:
         device, the spin policy, CUDA-graph mode and ONNX Runtime's version. Two backends with the
         same structure in one process run the same kernels on the same shapes."""
         if self._structure is None:
+            # onnxruntime: the optional extra (already loaded by __init__)
             import onnxruntime as ort
 
             parts = [ort.__version__, self.device, str(self.spin), str(self.cuda_graph), *sorted(self.narrow)]
@@ -365,6 +388,7 @@ class OnnxRuntimeBackend:
         return self._structure
 
     def describe(self) -> dict:
+        # onnxruntime: the optional extra (already loaded by __init__)
         import onnxruntime as ort
 
         out = {"backend": "onnxruntime", "device": self.device_used, "precision": self.precision,

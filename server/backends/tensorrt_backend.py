@@ -9,7 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from export.tensorrt import BatchProfile, EngineRunner, export_tensorrt, import_tensorrt
 from server.backends.base import ROUTING, FunctionSpec, InputSpec, Rows, warm
 
 
@@ -20,10 +22,7 @@ class TensorRTBackend:
                  routing: bool = True) -> None:
         """Engines for ``package``; a ``routing`` engine, where ``export_tensorrt`` built one, serves
         the routing function (unless ``routing`` is False)."""
-        from export.tensorrt import BatchProfile, EngineRunner, export_tensorrt, import_tensorrt
-
         trt = import_tensorrt()
-        import torch
 
         self.max_batch_size = max_batch_size
         profile = BatchProfile(1, max_batch_size, max_batch_size)

@@ -46,7 +46,7 @@ starts once the running calls end, and no call starts while it runs, so it may u
 thread (a second session of the model with all of them), while calls beside each other share the
 cores (a session with a share of the threads each). The queue's ``fn`` is called either way, on
 the worker that asked the plan, and reads the plan's decision there
-(``registry.RoutingState.lanes``). A lone request then gets every core; at saturation, each core
+(``server.engine.models.RoutingState.lanes``). A lone request then gets every core; at saturation, each core
 runs its own batch.
 
 Admission is a reservation: ``reserve(queue, n)`` takes ``n`` places before a request decodes its
@@ -63,7 +63,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -73,6 +73,15 @@ from server.metrics import Metrics
 
 Rows = dict[str, np.ndarray]
 log = logging.getLogger("softmoe.batcher")
+
+
+class Call(Protocol):
+    """What a queue runs, once per batch: its function of a served model (``engine.models.BackendCall``).
+    ``rows`` holds every input by name, batch axis first (padding rows included under strict
+    determinism); the answer holds every output by name, with the same first axis. What it raises
+    fails the batch by its class (``server.backends.failures``)."""
+
+    def __call__(self, rows: Rows) -> Rows: ...
 
 
 @dataclass
@@ -98,7 +107,7 @@ class ModelQueue:
     """The waiting items of one model function (e.g. ``digits-lit/text``)."""
 
     def __init__(
-        self, name: str, label: str, fn: Callable[[Rows], Rows], *, max_batch_size: int,
+        self, name: str, label: str, fn: Call, *, max_batch_size: int,
         max_delay_s: float, max_queue: int, pad: bool, metrics: Metrics | None = None, eager: bool = False,
         group: str | None = None,
     ) -> None:

@@ -29,11 +29,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from export.phases import Phases, recording
 from server.batching.batcher import Batcher
-from server.engine.models import ServedModel, apply_jpeg_draft, attach_queues, load_served_model
+from server.engine.models import ServedModel, attach_queues, load_served_model
 from server.engine.proofs import load_summary, warmup
-from server.engine.startup import describe
+from server.engine.startup import describe, load_models
 from server.errors import Conflict, ModelLoadError
 from server.metrics import Metrics
 from server.settings import Settings
@@ -97,14 +99,35 @@ class Engine:
 
     # ------------------------------------------------------------------ start-up
 
+    def bring_up(self, models: list[ServedModel] | None = None, *, serve: bool = True) -> list[ServedModel]:
+        """The start-up of every door: the configured models opened (``startup.load_models``; or
+        ``models``, opened by the caller to fail before it binds a port), attached, warmed and
+        proven, then, with ``serve``, the batcher started (without: the caller starts it, ``start``,
+        once it can answer; ``softmoe prepare`` never does). Returns the models, which serve.
+
+        Raises:
+            StartupError: a model cannot be opened (``startup.load_models``).
+            ModelLoadError: two share a name. Whatever a warm-up raises; every model is then
+                released.
+        """
+        models = load_models(self.settings) if models is None else models
+        try:
+            self.adopt(models)
+            for m in models:
+                self.warm(m)
+        except BaseException:
+            for m in models:
+                self.models.pop(m.name, None)
+                self._release(m)
+            raise
+        if serve:
+            self.start()
+        return models
+
     def open(self, spec: str, background: bool = False) -> ServedModel:
         """A package (or .onnx) as a served model, not yet attached: its backend, or ModelLoadError.
         ``background``: models serve meanwhile (the backend is set up at low priority)."""
-        model = load_served_model(spec, self.settings, log.info, background)
-        draft = self.settings.jpeg_draft
-        if model.preprocess is not None and ("*" in draft or model.name in draft):
-            apply_jpeg_draft([model], [model.name])
-        return model
+        return load_served_model(spec, self.settings, log.info, background)
 
     def attach(self, model: ServedModel) -> None:
         """Queue ``model``'s functions on the batcher and create its metric series."""
@@ -121,7 +144,7 @@ class Engine:
                                     info.get("precision", self.settings.precision), provider).set(1)
 
     def adopt(self, models: list[ServedModel]) -> None:
-        """Attach models loaded at start-up (``startup.load_models``); ``warm`` each, then ``start``."""
+        """Attach models loaded at start-up (``bring_up``'s first step)."""
         names = [m.name for m in models]
         if len(set(names)) != len(names):
             raise ModelLoadError(f"two models share a name: {names}")
@@ -131,7 +154,7 @@ class Engine:
             self.status[m.name] = ModelStatus(m.name, state=LOADING, source=m.source, loading=m.phases)
 
     def warm(self, model: ServedModel) -> None:
-        """Warm-up and start-up proofs, then the model takes traffic."""
+        """Warm-up and start-up proofs, then the model takes traffic (``bring_up``'s second step)."""
         warmup(model, self.settings, self.say)  # adds its time to model.opened_s
         model.ready = True
         self.metrics.model_ready.labels(model.name).set(1)
@@ -329,8 +352,6 @@ def available_memory(device: str) -> int | None:
     and what the cgroup's limit leaves; on CUDA the device's free memory. None when unknown."""
     if device == "cuda":
         try:
-            import torch
-
             return int(torch.cuda.mem_get_info()[0])
         except Exception:  # noqa: BLE001 - no torch CUDA: unknown
             return None

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import safe_open
 
 from export.onnx import read_metadata
 from export.phases import Phases, current, phase, recording
 from softmoe_models import routing as routing_lib
+from softmoe_models.config import from_dict
 from softmoe_models.package import read_package
 from softmoe_models.preprocess import PreprocessConfig
 from softmoe_models.tokenizer import Tokenizer
@@ -25,7 +27,7 @@ from server.backends.cuda import resolve_precision
 from server.backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
 from server.backends.tensorrt_backend import TensorRTBackend
 from server.backends.torch_backend import TorchBackend
-from server.batching.batcher import Batcher, ModelQueue
+from server.batching.batcher import Batcher, ModelQueue, Rows
 from server.errors import ModelLoadError
 from server.metrics import Metrics
 from server.settings import Settings
@@ -216,11 +218,16 @@ def load_served_model(spec: str, settings: Settings, log=print, background: bool
     (one line) when it cannot be served. ``background``: the process serves other batches
     meanwhile, so the backend's set-up runs at the lowest CPU priority where it can (ONNX Runtime
     on CPU: ``export.runtime.BackgroundBuiltSession``). Its phases (hash, export or bind, session)
-    are counted in ``ServedModel.phases``."""
+    are counted in ``ServedModel.phases``. ``--jpeg-draft`` applies to it here (``jpeg_draft``)."""
     started = time.perf_counter()
     with recording(current() or Phases()) as record:  # the load's own record, if the engine opened one
         model = _load_served_model(spec, settings, log, background)
     model.opened_s, model.phases = time.perf_counter() - started, record
+    try:
+        jpeg_draft(model, settings.jpeg_draft)
+    except ModelLoadError:
+        model.backend.close()
+        raise
     return model
 
 
@@ -267,8 +274,6 @@ def _routing_state(backend: Backend, config, profile: dict[str, Any] | None, set
 
 
 def _scale_bias(package: Path) -> tuple[float, float]:
-    from safetensors import safe_open
-
     with safe_open(str(package / "model.safetensors"), "pt") as f:
         s = float(f.get_tensor("s").exp())
         b = float(f.get_tensor("b")) if "b" in f.keys() else 0.0
@@ -343,7 +348,8 @@ def _backend_for_package(path: Path, settings: Settings, log, background: bool =
             return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
                                       threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,
                                       routing=settings.routing, spin=settings.ort_spinning,
-                                      lone_threads=lone_threads(settings), background=background)
+                                      lone_threads=lone_threads(settings), background=background,
+                                      weights=path / "model.safetensors")  # what the graphs read their weights from
     with phase("session"):  # a TensorRT engine built, or read from its cache
         return TensorRTBackend(path, precision=precision, max_batch_size=settings.max_batch_size,
                                cache_dir=settings.cache_dir, routing=settings.routing)
@@ -389,8 +395,6 @@ def _from_onnx(name: str, path: Path, settings: Settings, background: bool = Fal
     if scale_meta is not None:
         model.logit_scale, model.logit_bias = float(scale_meta["logit_scale"]), float(scale_meta["logit_bias"])
     if backend.routing is not None:
-        from softmoe_models.config import from_dict
-
         profile = backend.metadata.get(ROUTING, {}).get("routing_profile")
         try:
             model.routing = _routing_state(backend, from_dict(meta["kind"], pkg_meta["model"]), profile, settings)
@@ -399,21 +403,41 @@ def _from_onnx(name: str, path: Path, settings: Settings, background: bool = Fal
     return model
 
 
-def apply_jpeg_draft(models: list[ServedModel], names: list[str]) -> None:
-    """Turn JPEG draft mode on for the models named by ``--jpeg-draft`` (``*``: all that take images).
+def jpeg_draft(model: ServedModel, names: list[str]) -> None:
+    """JPEG draft mode on for ``model`` if ``--jpeg-draft`` (``names``) has its name, or ``*`` and
+    it takes images: the one rule, applied as each model is opened (``load_served_model``).
 
     Raises:
-        ModelLoadError: a name that is not a served model, or a model that takes no images.
+        ModelLoadError: ``names`` has its name and it takes no images.
     """
-    by_name = {m.name: m for m in models}
-    wanted = [m.name for m in models if m.preprocess is not None] if "*" in names else names
-    for name in wanted:
-        model = by_name.get(name)
-        if model is None:
-            raise ModelLoadError(f"--jpeg-draft {name}: no served model has that name (served: {', '.join(by_name)})")
-        if model.preprocess is None:
-            raise ModelLoadError(f"--jpeg-draft {name}: model {name!r} takes no images")
+    if model.name in names and model.preprocess is None:
+        raise ModelLoadError(f"--jpeg-draft {model.name}: model {model.name!r} takes no images")
+    if model.preprocess is not None and ("*" in names or model.name in names):
         model.preprocess = dataclasses.replace(model.preprocess, jpeg_draft=True)
+
+
+def check_jpeg_draft(models: list[ServedModel], names: list[str]) -> None:
+    """Every name ``--jpeg-draft`` gives is one of ``models``.
+
+    Raises:
+        ModelLoadError: naming the first that is not.
+    """
+    served = [m.name for m in models]
+    for name in names:
+        if name != "*" and name not in served:
+            raise ModelLoadError(f"--jpeg-draft {name}: no served model has that name (served: {', '.join(served)})")
+
+
+@dataclass(frozen=True)
+class BackendCall:
+    """The batcher's call into a served model (``batching.batcher.Call``): one batch through
+    function ``fn`` of ``backend``."""
+
+    backend: Backend
+    fn: str
+
+    def __call__(self, rows: Rows) -> Rows:
+        return self.backend.run(self.fn, rows)
 
 
 def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metrics: Metrics,
@@ -427,9 +451,7 @@ def attach_queues(model: ServedModel, batcher: Batcher, settings: Settings, metr
     lone = wide_lone(settings)
     narrow = getattr(model.backend, "narrow", set())
     for fn in model.backend.functions:
-        def call(rows, fn=fn, backend=model.backend):
-            return backend.run(fn, rows)
-
+        call = BackendCall(model.backend, fn)
         queue = model.queues[fn] = batcher.add_queue(ModelQueue(
             f"{model.name}/{fn}", model.name, call, max_batch_size=settings.max_batch_size,
             max_delay_s=settings.max_delay_ms / 1000, max_queue=settings.max_queue,
@@ -458,7 +480,7 @@ def _attach_routing(model: ServedModel, batcher: Batcher, settings: Settings, me
         plain = model.queues[state.plain]
         plain.fn = state.sampling(plain.fn, model.backend)
     queue = model.queues[ROUTING] = batcher.add_queue(ModelQueue(
-        f"{model.name}/{ROUTING}", model.name, lambda rows, backend=model.backend: backend.run(ROUTING, rows),
+        f"{model.name}/{ROUTING}", model.name, BackendCall(model.backend, ROUTING),
         max_batch_size=settings.max_batch_size, max_delay_s=settings.max_delay_ms / 1000,
         max_queue=settings.max_queue, pad=settings.strict_determinism, metrics=metrics,
         eager=settings.eager_batching, group=group,

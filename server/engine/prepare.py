@@ -1,7 +1,7 @@
 """``softmoe prepare``: everything a start-up builds, built ahead of time into the cache directory.
 
 It starts the models exactly as ``softmoe serve`` with the same flags would, on the same code path
-(``startup.load_models``, then the engine's warm-up), and stops before serving: each package's
+(``Engine.bring_up``), and stops before serving: each package's
 graphs are exported (or its weights bound into a cached graph of its structure) and verified,
 TensorRT engines built on a GPU, and the start-up proofs and measurements made and kept for this
 kind of machine (``proof_cache``). A server given the same cache directory and flags, on a machine
@@ -22,7 +22,7 @@ import time
 from export import cache
 from server.engine import proof_cache
 from server.engine.core import Engine
-from server.engine.startup import StartupError, check_backend, load_models
+from server.engine.startup import StartupError, check_backend
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -40,12 +40,10 @@ def prepare(settings: Settings, say=log.info) -> None:
     """
     started = time.perf_counter()
     check_backend(settings)
-    models = load_models(settings)
     engine = Engine(settings, Metrics(), say=say)
+    models = engine.bring_up(serve=False)
     try:
-        engine.adopt(models)
         for m in models:
-            engine.warm(m)
             if settings.warmup and proof_cache.inputs(m, settings) is not None \
                     and proof_cache.read(m, settings, say=lambda line: None) is None:
                 raise StartupError(f"{m.name}: its start-up proofs could not be kept in {proof_cache.root(settings)}")

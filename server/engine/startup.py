@@ -8,14 +8,19 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import torch
+
 from export.errors import ExportError
+from export.tensorrt import import_tensorrt
 from softmoe_models.convert import ConversionError
 from softmoe_models.package import PackageError
 
+from server.backends.cuda import DeviceUnavailableError, ort_cuda_preflight
 from server.engine.defaults import default_packages
-from server.engine.models import ServedModel, apply_jpeg_draft, load_served_model
+from server.engine.models import ServedModel, check_jpeg_draft, load_served_model
 from server.engine.repository import Repository
 from server.errors import ModelLoadError, NotFound
+from server.pipeline.gpu_decode import GpuDecodeUnavailable, open_decoder
 from server.settings import Settings
 
 log = logging.getLogger("softmoe.server")
@@ -44,35 +49,27 @@ def check_backend(settings: Settings) -> None:
         StartupError: naming what is missing (the extra to install, or the device).
     """
     if settings.backend == "onnxruntime":
-        try:
+        try:  # an optional extra: whether it is installed is the check
             import onnxruntime as ort
         except ImportError:
             hint = "softmoe-serve[gpu]" if settings.device == "cuda" else "softmoe-serve[cpu]"
             raise StartupError(f"--backend onnxruntime needs onnxruntime: pip install '{hint}'") from None
         if settings.device == "cuda":  # the CUDA EP compiled in, and a probe session really on it
-            from server.backends.cuda import DeviceUnavailableError, ort_cuda_preflight
-
             try:
                 ort_cuda_preflight(ort)
             except DeviceUnavailableError as e:
                 raise StartupError(str(e)) from None
     elif settings.backend == "tensorrt":
-        from export.tensorrt import import_tensorrt
-
         try:
             import_tensorrt()
         except Exception as e:  # MissingExtraError names the extra
             raise StartupError(f"--backend tensorrt: {describe(e)}") from None
     if settings.decode_device == "cuda":
-        from server.pipeline.gpu_decode import GpuDecodeUnavailable, open_decoder
-
         try:
             open_decoder()
         except GpuDecodeUnavailable as e:
             raise StartupError(str(e)) from None
     if settings.backend == "tensorrt" or (settings.backend == "torch" and settings.device == "cuda"):
-        import torch
-
         if not torch.cuda.is_available():
             raise StartupError(
                 f"--backend {settings.backend} needs a CUDA device, and torch {torch.__version__} sees none "
@@ -132,7 +129,7 @@ def load_models(settings: Settings) -> list[ServedModel]:
         if dupes:
             raise StartupError(f"two models share the name {', '.join(dupes)}; name them with --model NAME=PKG")
         try:
-            apply_jpeg_draft(loaded, settings.jpeg_draft)
+            check_jpeg_draft(loaded, settings.jpeg_draft)  # each model took it as it was opened
         except ModelLoadError as e:
             raise StartupError(str(e)) from None
     except BaseException:

@@ -12,10 +12,12 @@ what an HTTP request goes through, in the same order:
   read within the request's deadline (``request_timeout_s``, or the client's sooner deadline):
   ModelInfer is served as a client stream of one message, which is the same bytes on the wire as a
   unary call, so its reading is timed here rather than before the handler starts;
-- its tensors are checked by the protocol code HTTP uses too (server.api.oip) and run through the
-  model's queues row by row, so a result is bitwise what HTTP gives;
-- request ids come from ``x-request-id`` metadata or are made, and go back in the initial
-  metadata; per-stage times (``x-inference-time`` ...) and ``retry-after`` in the trailing metadata;
+- its tensors are decoded, checked and encoded by the codec HTTP uses too (server.api.oip_codec)
+  and run through the model's queues row by row (server.api.oip), so a result is bitwise what
+  HTTP gives; the answer leaves the codec serialized, so the encode stage times all of it;
+- request ids come from ``x-request-id`` metadata or are made, and go back in the trailing
+  metadata of every call, answered or refused, with the per-stage times (``x-inference-time`` ...)
+  and ``retry-after``;
 - with ``--api-key``, every RPC but ServerLive and ServerReady (and grpc.health.v1) needs
   ``authorization: Bearer KEY`` metadata (UNAUTHENTICATED without it); a ``traceparent`` in the
   metadata is continued when tracing is on; with ``--log-format json`` each call gets a line.
@@ -37,7 +39,6 @@ import time
 from importlib import resources
 
 import grpc
-import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 from grpc import aio
@@ -50,13 +51,13 @@ from server import context
 from server.errors import BadRequest, ModelLoadError, RequestTimeout, ServiceError, Unavailable
 from server.api import oip
 from server.api.keys import Keys
-from server.api.service import Timings, is_ready
+from server.api.oip_codec import GrpcWire
+from server.api.service import is_ready
 
 log = logging.getLogger("softmoe.grpc")
 access = logging.getLogger("softmoe.access")
 
 SERVICE = "inference.GRPCInferenceService"
-ENDPOINT = "grpc_infer"  # the images counter's endpoint label of gRPC ModelInfer (HTTP's: oip_infer)
 MESSAGES = ("ServerLiveRequest", "ServerLiveResponse", "ServerReadyRequest", "ServerReadyResponse",
             "ModelReadyRequest", "ModelReadyResponse", "ServerMetadataRequest", "ServerMetadataResponse",
             "ModelMetadataRequest", "ModelMetadataResponse", "ModelInferRequest", "ModelInferResponse",
@@ -70,10 +71,6 @@ CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 413: grpc.StatusCode.INVALID_ARG
          499: grpc.StatusCode.CANCELLED, 409: grpc.StatusCode.FAILED_PRECONDITION,
          401: grpc.StatusCode.UNAUTHENTICATED}
 OPEN = ("ServerLive", "ServerReady")  # the probes' RPCs: no API key needed (grpc.health.v1 neither)
-# Typed contents per datatype, for clients that send InferTensorContents instead of raw bytes.
-CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents", "INT8": "int_contents", "INT16": "int_contents",
-            "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
-            "UINT32": "uint_contents", "UINT64": "uint64_contents", "BOOL": "bool_contents", "BYTES": "bytes_contents"}
 HEALTH_POLL_S = 0.25
 RPC_HEADROOM = 32  # calls beyond --max-in-flight that gRPC itself admits (health, metadata)
 
@@ -116,16 +113,18 @@ class Call:
         span = records = None
         if self.tracing is not None:
             span = self.tracing.begin(self.method, metadata.get("traceparent"), metadata.get("tracestate"), start, {})
-            if span.is_recording():
+            if span is not None and span.is_recording():
                 records = []
                 tokens += (context.stages.set(records),)
-        await ctx.send_initial_metadata((("x-request-id", rid),))
+        # The request id rides in the trailing metadata, which goes out with the answer: sending
+        # initial metadata on its own costs a completion-queue round per call (a fifth of a
+        # one-row ModelInfer's server CPU; docs/benchmarks.md).
         failure, status, model = None, 200, "none"
         try:
             if self.keyed and not self.keys.accepts(auth := metadata.get("authorization")):
                 raise Keys.refusal(auth)
             response, model, trailing = await handler(request, ctx)
-            ctx.set_trailing_metadata(tuple(trailing.items()))
+            ctx.set_trailing_metadata((("x-request-id", rid), *trailing.items()))
             return response
         except ServiceError as e:
             failure, status = e, e.status
@@ -146,7 +145,7 @@ class Call:
             self._done(span, records, rid, model, status, start, end)
         self.metrics.errors.labels(failure.type).inc()
         retry = failure.headers.get("Retry-After")
-        ctx.set_trailing_metadata((("retry-after", retry),) if retry else ())
+        ctx.set_trailing_metadata((("x-request-id", rid), *((("retry-after", retry),) if retry else ())))
         await ctx.abort(CODES.get(failure.status, grpc.StatusCode.INTERNAL), failure.message)
 
 
@@ -170,26 +169,6 @@ def _parse(cls, raw: bytes):
         return cls.FromString(raw)
     except DecodeError as e:
         raise BadRequest(f"the request is not a valid {cls.DESCRIPTOR.full_name} message ({e})") from None
-
-
-def _parameter(p) -> object:
-    which = p.WhichOneof("parameter_choice")
-    return getattr(p, which) if which else None
-
-
-def _parameters(params) -> dict:
-    return {k: _parameter(v) for k, v in params.items()}
-
-
-def _set_parameter(target, value) -> None:
-    if isinstance(value, bool):
-        target.bool_param = value
-    elif isinstance(value, int):
-        target.int64_param = value
-    elif isinstance(value, float):
-        target.double_param = value
-    else:
-        target.string_param = str(value)
 
 
 class Servicer:
@@ -261,7 +240,7 @@ class Servicer:
 
     async def model_infer(self, requests, ctx):
         """One message read within the deadline, behind the door; then what HTTP's infer does."""
-        door, settings = self.state.door, self.state.settings
+        door = self.state.door
         if self.state.draining:
             self.state.metrics.rejected.labels("none", "draining").inc()
             raise Unavailable("the server is shutting down", retry_after_s=5)
@@ -284,31 +263,12 @@ class Servicer:
             door.leave(epoch)
 
     async def _infer(self, request):
-        t0 = time.perf_counter()
-        model = oip.served_model(self.state.models, request.model_name, request.model_version or None,
-                                 self.state.control)
-        if not model.ready:
-            raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
-        svc = self.state.service
-
-        def parse():
-            req, binary = _as_http(request)
-            return req, oip.tensors_in(model, req, binary, svc.settings)
-
-        req, tensors = await asyncio.to_thread(parse)
-        timings = Timings()
-        outputs, classes = await oip.compute(svc, model, req, tensors, timings)
-        svc.finish(model, ENDPOINT, timings, time.perf_counter(), t0)
-        response = M["ModelInferResponse"](model_name=model.name, model_version="1", id=request.id)
-        for name, arr in outputs.items():
-            if classes.get(name):
-                tensor, data = oip.classification(arr, classes[name], model.labels, True)
-                datatype, shape = tensor["datatype"], tensor["shape"]
-            else:
-                datatype, shape, data = "FP32", list(arr.shape), arr.astype("<f4").tobytes()
-            response.outputs.add(name=name, datatype=datatype, shape=shape)
-            response.raw_output_contents.append(data)
-        return response, model.name, timings.headers()
+        started = time.perf_counter()
+        model = oip.ready_model(self.state.models, request.model_name, request.model_version or None,
+                                self.state.control)
+        answer, timings = await oip.infer(self.state.service, model, GrpcWire(request, M["ModelInferResponse"]),
+                                          started=started)
+        return answer, model.name, timings.headers()
 
 
 async def _first_message(requests, seconds: float, metrics) -> bytes:
@@ -328,38 +288,6 @@ async def _first_message(requests, seconds: float, metrics) -> bytes:
     if raw is None:
         raise BadRequest("the call carried no ModelInferRequest message")
     return raw
-
-
-def _as_http(request) -> tuple[oip.OIPInferRequest, bytes]:
-    """The gRPC request as the HTTP route's checked request and binary tail: raw_input_contents
-    become binary tensor data (each input's ``binary_data_size`` its raw bytes), typed contents
-    become ``data``."""
-    raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
-        raise BadRequest(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs; give one per "
-                         "input, in order, or none", param="raw_input_contents")
-    inputs = []
-    for i, t in enumerate(request.inputs):
-        params = _parameters(t.parameters)
-        entry = {"name": t.name, "datatype": t.datatype, "shape": list(t.shape), "parameters": params}
-        if raw:
-            params["binary_data_size"] = len(raw[i])
-            dtype = oip.DTYPES.get(t.datatype)
-            if dtype is not None and all(0 <= d for d in t.shape):
-                want = int(np.prod(t.shape, dtype=object)) * np.dtype(dtype).itemsize
-                if want != len(raw[i]):
-                    raise BadRequest(f"input {t.name!r}: raw_input_contents[{i}] holds {len(raw[i])} bytes; shape "
-                                     f"{list(t.shape)} of {t.datatype} is {want}", param=f"inputs.{i}")
-        elif t.HasField("contents"):
-            field = CONTENTS.get(t.datatype)
-            values = list(getattr(t.contents, field)) if field else []
-            entry["data"] = values
-        inputs.append(entry)
-    payload = {"inputs": inputs, "parameters": _parameters(request.parameters),
-               "outputs": [{"name": o.name, "parameters": _parameters(o.parameters)} for o in request.outputs] or None}
-    if request.id:
-        payload["id"] = request.id
-    return oip.request_from(payload), b"".join(raw)
 
 
 # ------------------------------------------------------------------ the server
@@ -391,7 +319,8 @@ def _handlers(app) -> grpc.GenericRpcHandler:
     async def model_infer(requests, ctx):
         return await infer(servicer.model_infer, requests, ctx)
 
-    handlers["ModelInfer"] = grpc.stream_unary_rpc_method_handler(model_infer, response_serializer=_serialize)
+    # ModelInfer's answer comes serialized from the codec (its encoding timed as a stage).
+    handlers["ModelInfer"] = grpc.stream_unary_rpc_method_handler(model_infer, response_serializer=bytes)
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 

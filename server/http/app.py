@@ -31,12 +31,13 @@ from server.errors import BadRequest, PayloadTooLarge, QueueFull, RequestTimeout
 from server.observability import tracing as traces
 from server.metrics import DOOR, Metrics
 from server.api.door import CONTROL, Door, new_request_id
+from server.api import schemas
 from server.api.keys import Keys
 from server.engine.control import ModelControl
 from server.engine.core import Engine
 from server.engine.models import ServedModel
-from server.engine.startup import load_models
 from server.api.service import Service, is_ready
+from server.http.routes import oip, openai, page, routing, v1
 from server.settings import Settings
 
 log = logging.getLogger("softmoe.server")
@@ -78,7 +79,7 @@ class Observe:
     request context, timing headers, request metrics, and the one error path: a ServiceError
     raised anywhere below, or any unexpected exception, becomes a JSON error response carrying the
     request id and counted with its status; an unexpected exception's text is logged with the
-    request id, never sent.
+    request id, never sent. Each request is carried through these steps by an ``_Exchange``.
 
     Admission is a reservation made here, at the door, atomically (one event loop, no await
     between check and take): one in-flight place and the body's declared bytes against
@@ -108,149 +109,215 @@ class Observe:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        path = scope.get("path", "")
-        headers = {k.lower(): v for k, v in scope.get("headers") or []}
-        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:128]
-        request_id = rid if rid and rid.isprintable() else new_request_id()
-        tokens = (context.request_id.set(request_id),
-                  context.deadline.set(start + self.settings.request_timeout_s))
-        seen: dict[str, object] = {"status": 500, "model": "none", "started": False}
-        settings, metrics = self.settings, self.metrics
-        span = records = None
-        if self.tracing is not None and not path.startswith(EXEMPT):
-            tp, ts = headers.get(b"traceparent"), headers.get(b"tracestate")
-            span = self.tracing.begin(f"{scope.get('method', 'GET')} {path}", tp and tp.decode("latin-1"),
-                                      ts and ts.decode("latin-1"), start, {})
-            if span.is_recording():
-                records = []
-                tokens += (context.stages.set(records),)
-
-        async def send_wrapper(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                seen["status"], seen["started"] = message["status"], True
-                out = MutableHeaders(scope=message)
-                seen["model"] = out.get("x-model", "none")
-                out["x-request-id"] = request_id
-                out["x-total-time"] = f"{(time.perf_counter() - start) * 1e3:.2f}"
-            await send(message)
-
-        async def refuse(exc: ServiceError, reason: str | None = None) -> None:
-            if reason:
-                metrics.rejected.labels(DOOR, reason).inc()
-            await _error(exc, path, metrics)(scope, receive, send_wrapper)
-
-        exempt = path.startswith(EXEMPT)
-        declared = _content_length(headers.get(b"content-length"))
-        reserved = 0
-        admitted = False
-        epoch = None
+        exchange = _Exchange(self, scope, receive, send)
+        exchange.enter_context()
         try:
-            if exempt:
-                admitted = True
-            elif self.keys.enabled and path.startswith(KEYED) and not self.keys.accepts(
-                    auth := headers.get(b"authorization")):
-                await refuse(Keys.refusal(auth))
-            elif self.state.draining:
-                await refuse(Unavailable("the server is shutting down", retry_after_s=5), "draining")
-            elif declared == -1:
-                await refuse(BadRequest("invalid Content-Length header"))
-            elif declared is not None and declared > settings.max_body_bytes:
-                await refuse(PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of "
-                                             f"{settings.max_body_bytes} (max_body_bytes)"), "over_budget")
-            elif (refusal := self.door.refusal(declared or 0)) is not None:
-                await refuse(*refusal)
-            else:
-                admitted = True
-                reserved = declared or 0
-                self.door.take(1, reserved)
-                if not path.startswith(CONTROL):
-                    epoch = self.door.enter()
-            if admitted:
-                received = 0
-                waited = 0.0  # seconds spent waiting for this body's bytes: all a client is charged for
-
-                body_done = False
-
-                async def counted() -> Message:
-                    nonlocal received, reserved, body_done, waited
-                    if body_done:  # after the body only a disconnect can come: wait for it unbounded
-                        return await receive()
-                    timeout = settings.request_timeout_s
-                    by_rate = BODY_GRACE_S + received / settings.min_body_rate if settings.min_body_rate else timeout
-                    began = time.perf_counter()
-                    try:
-                        message = await _receive_within(receive, min(timeout, by_rate) - waited)
-                    except asyncio.TimeoutError:
-                        metrics.rejected.labels(DOOR, "slow_client").inc()
-                        if by_rate < timeout:
-                            raise RequestTimeout(
-                                f"the request body is arriving slower than {settings.min_body_rate} bytes/s "
-                                f"(min_body_rate; {received} bytes in {waited + time.perf_counter() - began:.1f} s "
-                                "of waiting)") from None
-                        raise RequestTimeout(f"the request body did not arrive within {settings.request_timeout_s:g} s "
-                                             f"(request_timeout_s; {received} bytes came)") from None
-                    finally:
-                        waited += time.perf_counter() - began
-                    if message["type"] == "http.request":
-                        body_done = not message.get("more_body", False)
-                        received += len(message.get("body", b""))
-                        if received > settings.max_body_bytes:
-                            metrics.rejected.labels(DOOR, "over_budget").inc()
-                            raise PayloadTooLarge(f"request body exceeds the limit of {settings.max_body_bytes} "
-                                                  "bytes (max_body_bytes)")
-                        if not exempt and received > reserved:  # a chunked body reserves as it arrives
-                            more = received - reserved
-                            if self.door.in_flight_bytes + more > settings.max_in_flight_bytes:
-                                metrics.rejected.labels(DOOR, "body_budget").inc()
-                                raise QueueFull("the requests in flight hold too many body bytes "
-                                                f"(max_in_flight_bytes {settings.max_in_flight_bytes}); try again "
-                                                "shortly")
-                            self.door.take(0, more)
-                            reserved += more
-                    return message
-
-                await self.app(scope, counted if not exempt else receive, send_wrapper)
+            if await exchange.admit():
+                await self.app(scope, exchange.receive_body if not exchange.exempt else receive, exchange.send)
         except ServiceError as exc:  # raised outside a route's handlers (e.g. while reading the body)
-            if not seen["started"]:
-                await _error(exc, path, metrics)(scope, receive, send_wrapper)
+            if not exchange.started:
+                await exchange.answer(exc)
         except Exception:  # noqa: BLE001 - the one error path: JSON, request id, counted, text only logged
-            log.exception("unexpected error on %s (request id %s)", path, request_id)
-            if not seen["started"]:
-                body = {"error": {"message": f"internal error (request id {request_id})", "type": "internal_error",
-                                  "code": 500}}
-                metrics.errors.labels("internal_error").inc()
-                await _ErrorJSON(_body(body, path), status_code=500)(scope, receive, send_wrapper)
+            await exchange.answer_unexpected()
         finally:
-            if admitted and not exempt:
-                self.door.take(-1, -reserved)
-            if epoch is not None:
-                self.door.leave(epoch)
-            context.request_id.reset(tokens[0])
-            context.deadline.reset(tokens[1])
-            if records is not None:
-                context.stages.reset(tokens[2])
-        if not exempt:
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
-            status = int(seen["status"])  # type: ignore[arg-type]
-            metrics.responses.labels(str(status)).inc()
-            end = time.perf_counter()
-            metrics.request_duration.labels(seen["model"], endpoint, f"{status // 100}xx").observe(end - start)
-            trace_id = None
-            if records is not None:
-                trace_id = self.tracing.trace_id(span)
-                method = scope.get("method", "GET")
-                span.update_name(f"{method} {endpoint}")
-                self.tracing.finish(span, records, end, {
-                    "http.request.method": method, "url.path": path, "http.route": endpoint,
-                    "http.response.status_code": status, "softmoe.request_id": request_id,
-                    "softmoe.model": str(seen["model"])}, error=status >= 500)
-            if self.access_log:
-                access.info("%s %s %d", scope.get("method"), path, status, extra={
-                    "method": scope.get("method"), "path": path, "status": status,
-                    "duration_ms": round((end - start) * 1e3, 3), "request_id": request_id,
-                    "model": seen["model"], "trace_id": trace_id})
+            exchange.release()
+        if not exchange.exempt:
+            exchange.record()
+
+
+class _Exchange:
+    """One HTTP request as :class:`Observe` follows it, from its head to its last metric: the
+    request's id and deadline in the request context, its admission at the door and what it
+    reserved there, its body counted against the limits as the routes read it, and the status and
+    model its response declared, to count and log once it is answered."""
+
+    def __init__(self, observe: Observe, scope: Scope, receive: Receive, send: Send) -> None:
+        self.start = time.perf_counter()
+        self.observe, self.scope = observe, scope
+        self.server_receive, self.server_send = receive, send  # uvicorn's, as given
+        self.settings, self.metrics, self.door = observe.settings, observe.metrics, observe.door
+        self.path = scope.get("path", "")
+        self.headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        rid = self.headers.get(b"x-request-id", b"").decode("latin-1")[:128]
+        self.request_id = rid if rid and rid.isprintable() else new_request_id()
+        self.status, self.model, self.started = 500, "none", False  # as the response start declares them
+        self.exempt = self.path.startswith(EXEMPT)
+        self.declared = _content_length(self.headers.get(b"content-length"))
+        self.tokens: tuple = ()  # the request context's tokens, to reset
+        self.span = self.records = None  # the server span; the stage records of a sampled request
+        self.admitted = False
+        self.reserved = 0  # body bytes reserved at the door
+        self.epoch = None  # the door's epoch entered (every admitted path but CONTROL's)
+        self.received = 0  # body bytes read
+        self.waited = 0.0  # seconds spent waiting for this body's bytes: all a client is charged for
+        self.body_done = False
+
+    def enter_context(self) -> None:
+        """Put the request id and the deadline in the request context; with tracing on, begin the
+        server span from the request's ``traceparent``, and collect the stage records of a sampled
+        request."""
+        self.tokens = (context.request_id.set(self.request_id),
+                       context.deadline.set(self.start + self.settings.request_timeout_s))
+        tracing = self.observe.tracing
+        if tracing is not None and not self.exempt:
+            tp, ts = self.headers.get(b"traceparent"), self.headers.get(b"tracestate")
+            self.span = tracing.begin(f"{self.scope.get('method', 'GET')} {self.path}", tp and tp.decode("latin-1"),
+                                      ts and ts.decode("latin-1"), self.start, {})
+            if self.span is not None and self.span.is_recording():
+                self.records = []
+                self.tokens += (context.stages.set(self.records),)
+
+    async def send(self, message: Message) -> None:
+        """``send`` for everything below: the response start notes its status and model and gains
+        the ``x-request-id`` and ``x-total-time`` headers."""
+        if message["type"] == "http.response.start":
+            self.status, self.started = message["status"], True
+            out = MutableHeaders(scope=message)
+            self.model = out.get("x-model", "none")
+            out["x-request-id"] = self.request_id
+            out["x-total-time"] = f"{(time.perf_counter() - self.start) * 1e3:.2f}"
+        await self.server_send(message)
+
+    async def answer(self, exc: ServiceError, reason: str | None = None) -> None:
+        """Answer ``exc`` as its JSON error, counted as a refusal at the door for ``reason`` when one
+        is given."""
+        if reason:
+            self.metrics.rejected.labels(DOOR, reason).inc()
+        await _error(exc, self.path, self.metrics)(self.scope, self.server_receive, self.send)
+
+    async def admit(self) -> bool:
+        """Whether the request goes on to the routes. An exempt path always does; any other is
+        checked for its API key, the server draining, its declared Content-Length and the door's
+        budgets, in this order, and the first that fails is answered here. An admitted request
+        takes its place and its declared bytes at the door, and enters the door's epoch."""
+        settings, declared, keys = self.settings, self.declared, self.observe.keys
+        if self.exempt:
+            self.admitted = True
+        elif keys.enabled and self.path.startswith(KEYED) and not keys.accepts(
+                auth := self.headers.get(b"authorization")):
+            await self.answer(Keys.refusal(auth))
+        elif self.observe.state.draining:
+            await self.answer(Unavailable("the server is shutting down", retry_after_s=5), "draining")
+        elif declared == -1:
+            await self.answer(BadRequest("invalid Content-Length header"))
+        elif declared is not None and declared > settings.max_body_bytes:
+            await self.answer(PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of "
+                                              f"{settings.max_body_bytes} (max_body_bytes)"), "over_budget")
+        elif (refusal := self.door.refusal(declared or 0)) is not None:
+            await self.answer(*refusal)
+        else:
+            self.admitted = True
+            self.reserved = declared or 0
+            self.door.take(1, self.reserved)
+            if not self.path.startswith(CONTROL):
+                self.epoch = self.door.enter()
+        return self.admitted
+
+    async def receive_body(self) -> Message:
+        """``receive`` for the routes of a path that is not exempt: the body within its time and
+        under its limits (``_receive_in_time``, ``_count_body``), then a disconnect, waited for
+        unbounded."""
+        if self.body_done:  # after the body only a disconnect can come: wait for it unbounded
+            return await self.server_receive()
+        message = await self._receive_in_time()
+        if message["type"] == "http.request":
+            self.body_done = not message.get("more_body", False)
+            self._count_body(len(message.get("body", b"")))
+        return message
+
+    async def _receive_in_time(self) -> Message:
+        """The next message, within what is left of ``request_timeout_s`` and of the time
+        ``min_body_rate`` allows the bytes received so far, counting only the time spent waiting
+        for them; RequestTimeout past that."""
+        settings = self.settings
+        timeout = settings.request_timeout_s
+        by_rate = BODY_GRACE_S + self.received / settings.min_body_rate if settings.min_body_rate else timeout
+        began = time.perf_counter()
+        try:
+            return await _receive_within(self.server_receive, min(timeout, by_rate) - self.waited)
+        except asyncio.TimeoutError:
+            self.metrics.rejected.labels(DOOR, "slow_client").inc()
+            if by_rate < timeout:
+                raise RequestTimeout(
+                    f"the request body is arriving slower than {settings.min_body_rate} bytes/s "
+                    f"(min_body_rate; {self.received} bytes in {self.waited + time.perf_counter() - began:.1f} s "
+                    "of waiting)") from None
+            raise RequestTimeout(f"the request body did not arrive within {settings.request_timeout_s:g} s "
+                                 f"(request_timeout_s; {self.received} bytes came)") from None
+        finally:
+            self.waited += time.perf_counter() - began
+
+    def _count_body(self, size: int) -> None:
+        """Count ``size`` more body bytes: PayloadTooLarge past ``max_body_bytes``; past what was
+        reserved (a chunked body), reserve the rest at the door, or QueueFull past
+        ``max_in_flight_bytes``."""
+        settings = self.settings
+        self.received += size
+        if self.received > settings.max_body_bytes:
+            self.metrics.rejected.labels(DOOR, "over_budget").inc()
+            raise PayloadTooLarge(f"request body exceeds the limit of {settings.max_body_bytes} "
+                                  "bytes (max_body_bytes)")
+        if not self.exempt and self.received > self.reserved:  # a chunked body reserves as it arrives
+            more = self.received - self.reserved
+            if self.door.in_flight_bytes + more > settings.max_in_flight_bytes:
+                self.metrics.rejected.labels(DOOR, "body_budget").inc()
+                raise QueueFull("the requests in flight hold too many body bytes "
+                                f"(max_in_flight_bytes {settings.max_in_flight_bytes}); try again "
+                                "shortly")
+            self.door.take(0, more)
+            self.reserved += more
+
+    async def answer_unexpected(self) -> None:
+        """After an unexpected exception: its text logged with the request id, and, unless a
+        response has started, a JSON 500 that carries the request id and nothing of the text."""
+        log.exception("unexpected error on %s (request id %s)", self.path, self.request_id)
+        if not self.started:
+            body = {"error": {"message": f"internal error (request id {self.request_id})", "type": "internal_error",
+                              "code": 500}}
+            self.metrics.errors.labels("internal_error").inc()
+            await _ErrorJSON(_body(body, self.path), status_code=500)(self.scope, self.server_receive, self.send)
+
+    def release(self) -> None:
+        """Give back the place and the bytes taken at the door, leave its epoch, and reset the
+        request context."""
+        if self.admitted and not self.exempt:
+            self.door.take(-1, -self.reserved)
+        if self.epoch is not None:
+            self.door.leave(self.epoch)
+        context.request_id.reset(self.tokens[0])
+        context.deadline.reset(self.tokens[1])
+        if self.records is not None:
+            context.stages.reset(self.tokens[2])
+
+    def record(self) -> None:
+        """Count the answered request (status, duration by model, endpoint and status class), end
+        its server span when it was sampled, and write its access line with ``--log-format json``."""
+        route = self.scope.get("route")
+        endpoint = getattr(route, "path", None) or "unmatched"
+        status = int(self.status)
+        self.metrics.responses.labels(str(status)).inc()
+        end = time.perf_counter()
+        self.metrics.request_duration.labels(self.model, endpoint, f"{status // 100}xx").observe(end - self.start)
+        trace_id = self._finish_span(endpoint, status, end) if self.records is not None else None
+        if self.observe.access_log:
+            method = self.scope.get("method")
+            access.info("%s %s %d", method, self.path, status, extra={
+                "method": method, "path": self.path, "status": status,
+                "duration_ms": round((end - self.start) * 1e3, 3), "request_id": self.request_id,
+                "model": self.model, "trace_id": trace_id})
+
+    def _finish_span(self, endpoint: str, status: int, end: float) -> str | None:
+        """End the sampled request's server span, renamed for its route, with its stage spans;
+        its trace id, for the access line."""
+        tracing = self.observe.tracing
+        trace_id = tracing.trace_id(self.span)
+        method = self.scope.get("method", "GET")
+        self.span.update_name(f"{method} {endpoint}")
+        tracing.finish(self.span, self.records, end, {
+            "http.request.method": method, "url.path": self.path, "http.route": endpoint,
+            "http.response.status_code": status, "softmoe.request_id": self.request_id,
+            "softmoe.model": str(self.model)}, error=status >= 500)
+        return trace_id
 
 
 async def _receive_within(receive: Receive, seconds: float) -> Message:
@@ -319,15 +386,11 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     async def lifespan(app: FastAPI):
         state = app.state
         engine = Engine(settings, metrics, batcher=given_batcher)
-        loaded = models if models is not None else await asyncio.to_thread(load_models, settings)
-        engine.adopt(loaded)
+        loaded = await asyncio.to_thread(engine.bring_up, models)
         engine.checkpoints.append(state.door.checkpoint)
         state.engine, state.models, state.batcher = engine, engine.models, engine.batcher
         state.control = ModelControl(engine, settings)
         state.service = Service(settings, engine.models, engine.batcher, metrics, control=state.control)
-        for m in loaded:
-            await asyncio.to_thread(engine.warm, m)
-        engine.start()
         state.ready = True
         metrics.server_ready.set(1)
         log.info("ready: %s", ", ".join(f"{m.name} ({m.kind}, {m.backend.name})" for m in loaded) or "no model loaded")
@@ -338,9 +401,8 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
             state.ready = False
             metrics.server_ready.set(0)
             state.control.stop()
-            engine.batcher.stop()
+            await asyncio.to_thread(engine.close)  # the batcher stops (what is queued finishes), the models go
             state.service.close()
-            await asyncio.to_thread(engine.close)
             if state.tracing is not None:
                 await asyncio.to_thread(state.tracing.close)
 
@@ -354,9 +416,6 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
     app.state.keys = Keys(settings)
     app.state.tracing = traces.from_settings(settings, metrics)
     metrics.init_errors(ERROR_TYPES, STATUSES)
-
-    from server.http.routes import oip, openai, page, routing, v1
-
     app.include_router(v1.router)
     app.include_router(openai.router)
     app.include_router(oip.router)
@@ -400,8 +459,6 @@ def create_app(settings: Settings | None = None, *, models: list[ServedModel] | 
 
 def _openapi_components(app: FastAPI) -> None:
     """Add the request schemas referenced by the hand-written request bodies."""
-    from server.api import schemas
-
     original = app.openapi
 
     def openapi():

@@ -15,7 +15,16 @@ import sys
 import time
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from export.cache import file_sha256, package_digests
+from softmoe_models.demo.evaluate import evaluate
+
+from server.settings import Settings
 from server.jobs.data import DataError, Dataset, open_dataset, read_lines
+from server.jobs.embed import sink_for
+from server.jobs.evaluate import EvalSink
+from server.jobs.ray_job import run_embed, run_eval
 from server.jobs.report import finish_embed, finish_eval, pending_units, precheck_labels, say
 from server.jobs.runner import DecodePool, JobError, JobModel, Progress, Runner
 
@@ -84,10 +93,6 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def job_settings(args: argparse.Namespace):
-    from pydantic import ValidationError
-
-    from server.settings import Settings
-
     given = {k: getattr(args, k) for k in ("backend", "device", "precision", "max_batch_size")
              if getattr(args, k, None) is not None}
     try:
@@ -99,8 +104,6 @@ def job_settings(args: argparse.Namespace):
 
 def package_sha256(package: str) -> str:
     """One hash of every file of a package an export reads (export.cache.package_digests), or of an .onnx file."""
-    from export.cache import file_sha256, package_digests
-
     path = Path(package)
     if path.is_file():
         return file_sha256(path)
@@ -133,14 +136,10 @@ def _start(args, settings) -> tuple[DecodePool, JobModel]:
 
 
 def cmd_embed(args: argparse.Namespace) -> None:
-    from server.jobs.embed import sink_for
-
     settings = job_settings(args)
     dataset, digest = _open(args, settings)
     out = Path(args.out)
     if args.ray:
-        from server.jobs.ray_job import run_embed
-
         run_embed(args, settings, dataset, digest, out)
         return
     t0 = time.perf_counter()
@@ -183,15 +182,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
         if t.count("{}") > 1:
             raise JobError(f"--templates: {t[:40]!r} has more than one '{{}}'")
     if args.ray:
-        from server.jobs.ray_job import run_eval
-
         run_eval(args, settings, dataset, digest, Path(args.out), classnames, templates)
         return
     t0 = time.perf_counter()
     pool, job = _start(args, settings)
     try:
-        from server.jobs.evaluate import EvalSink
-
         precheck_labels(job.facts(), dataset)
         sink = EvalSink(job.facts(), texts=job.texts)
         runner = Runner(job, sink, texts=job.texts, max_errors=args.max_errors,
@@ -206,8 +201,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def _eval_digits(args: argparse.Namespace) -> None:
-    from softmoe_models.demo.evaluate import evaluate
-
     if args.out or args.ray:
         raise JobError("--out and --ray need DATA (without it, eval scores the built-in digits)")
     try:

@@ -60,12 +60,11 @@ def file_sha256(path: Path) -> str:
 
 
 def _pyarrow():
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    try:  # heavy, an optional extra (jobs): pyarrow only where embed writes Parquet
+        import pyarrow.parquet
     except ImportError:
         raise JobError("softmoe embed writes Parquet with pyarrow: pip install 'softmoe-serve[jobs]'") from None
-    return pa, pq
+    return pyarrow, pyarrow.parquet
 
 
 class ParquetSink:

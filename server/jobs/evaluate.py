@@ -229,9 +229,10 @@ def confusion_png(path: Path, targets: np.ndarray, pred: np.ndarray, names: list
     present = sorted(set(targets.tolist()))
     if not present or len(present) > CONFUSION_MAX_CLASSES:
         return None
+    # heavy, an optional extra (jobs): matplotlib only where eval draws confusion.png
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # a file, no display: chosen before pyplot (the same extra) is imported
     import matplotlib.pyplot as plt
 
     pos = {c: i for i, c in enumerate(present)}

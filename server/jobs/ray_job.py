@@ -24,14 +24,17 @@ from typing import Any
 
 import numpy as np
 
+from server.settings import Settings
 from server.jobs.data import Dataset, Sample, Unit
-from server.jobs.runner import JobError, JobModel, Outcome, Progress, Tally, limits_of
+from server.jobs.embed import sink_for
+from server.jobs.evaluate import EvalSink
+from server.jobs.report import finish_embed, finish_eval, pending_units, precheck_labels
+from server.jobs.runner import JobError, JobModel, Outcome, Progress, Tally, limits_of, prepare_chunk
 
 
 def _ray():
-    try:
-        import ray
-        import ray.data  # noqa: F401
+    try:  # heavy, an optional extra: Ray only for --ray
+        import ray.data
     except ImportError:
         raise JobError("--ray needs Ray Data: pip install 'softmoe-serve[ray]'") from None
     return ray
@@ -63,8 +66,6 @@ def _settings_dict(settings) -> dict:
 
 
 def _job(package: str, settings: dict) -> JobModel:
-    from server.settings import Settings
-
     return JobModel.load(package, Settings(**settings), say=lambda line: None)
 
 
@@ -129,9 +130,7 @@ class FactsActor:
 
 
 def _read(units_ref, row: dict) -> list[dict]:
-    import ray
-
-    unit: Unit = ray.get(units_ref)[int(row["unit"])]
+    unit: Unit = _ray().get(units_ref)[int(row["unit"])]
     return [{"unit": int(row["unit"]), "meta": json.dumps([s.key, s.label, s.text, s.path, s.error]),
              "data": s.data or b""} for s in unit.samples()]
 
@@ -139,8 +138,6 @@ def _read(units_ref, row: dict) -> list[dict]:
 def _decode(cfg, uint8: bool, limits: tuple):
     """Ray Data's CPU tasks: every sample's row, or its error in its ``meta``."""
     def fn(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from server.jobs.runner import prepare_chunk
-
         metas = [json.loads(m) for m in batch["meta"]]
         todo = [i for i, m in enumerate(metas) if m[4] is None]
         prepared = prepare_chunk(cfg, uint8, limits, [(metas[i][3], bytes(batch["data"][i]) if metas[i][3] is None else None)
@@ -240,9 +237,6 @@ def _cause(e: BaseException) -> str:
 
 
 def run_embed(args, settings, dataset: Dataset, digest: str, out: Path) -> None:
-    from server.jobs.report import finish_embed, pending_units
-    from server.jobs.embed import sink_for
-
     ray = connect(args.ray)
     t0 = time.perf_counter()
     actor, facts = _facts(ray, args, settings)
@@ -267,9 +261,6 @@ def run_embed(args, settings, dataset: Dataset, digest: str, out: Path) -> None:
 
 
 def run_eval(args, settings, dataset: Dataset, digest: str, out: Path, classnames, templates) -> None:
-    from server.jobs.evaluate import EvalSink
-    from server.jobs.report import finish_eval, precheck_labels
-
     ray = connect(args.ray)
     t0 = time.perf_counter()
     actor, facts = _facts(ray, args, settings)

@@ -8,13 +8,15 @@ import shlex
 import sys
 from pathlib import Path
 
+from softmoe_models.cli import ARGV
+
 from server.jobs.data import Dataset
+from server.jobs.embed import ERRORS_FILE, SUMMARY_FILE
+from server.jobs.evaluate import map_label, score, write_outputs
 from server.jobs.runner import JobError
 
 
 def command_line() -> str:
-    from softmoe_models.cli import ARGV
-
     return shlex.join(["softmoe", *ARGV])
 
 
@@ -32,8 +34,6 @@ def pending_units(sink, dataset: Dataset, out: Path) -> list:
 
 def finish_embed(args, facts, sink, dataset: Dataset, digest: str, out: Path, seconds: float, rate: float) -> None:
     """_summary.json, then the one line (or the error line: nothing embedded)."""
-    from server.jobs.embed import ERRORS_FILE, SUMMARY_FILE
-
     summary = {"n": sink.rows, "errors": sink.errors, "shards": len(dataset.units), "model": facts.name,
                "package": str(Path(args.package).resolve()), "package_sha256": digest, "data": args.data,
                "command": command_line(), **facts.description, "seconds": round(seconds, 3),
@@ -49,8 +49,6 @@ def finish_embed(args, facts, sink, dataset: Dataset, digest: str, out: Path, se
 
 def precheck_labels(facts, dataset: Dataset) -> None:
     """A classifier's labels checked before any image is decoded, where the dataset lists them up front."""
-    from server.jobs.evaluate import map_label
-
     if facts.image_fn != "classify" or dataset.kind == "webdataset":
         return
     names = facts.labels or [str(i) for i in range(facts.dims["classify"].get("logits", 0))]
@@ -67,8 +65,6 @@ def precheck_labels(facts, dataset: Dataset) -> None:
 
 def finish_eval(args, facts, sink, errors: list[dict], digest: str, classnames, templates, seconds: float,
                 rate: float, run_texts) -> None:
-    from server.jobs.evaluate import score, write_outputs
-
     out = Path(args.out)
     head = {"model": facts.name, "package": str(Path(args.package).resolve()), "package_sha256": digest,
             "data": args.data, "command": command_line(), **facts.description, "seconds": round(seconds, 3),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
 import os
 import sys
 import time
@@ -31,6 +32,7 @@ from server.engine.models import ServedModel
 from server.engine.startup import StartupError, check_backend, describe
 from server.errors import ServiceError
 from server.metrics import Metrics
+from server.pipeline.prepare import prepare_image, probe_image
 from server.settings import Settings
 from server.jobs.data import Dataset, Sample, Unit, read_file
 
@@ -116,8 +118,7 @@ class JobModel:
         if image_fn is None or model.preprocess is None:
             model.backend.close()
             raise JobError(f"{package}: a {model.kind} model takes no images")
-        engine.adopt([model])
-        engine.warm(model)
+        engine.bring_up([model], serve=False)  # the batcher starts once each output's width is known
         job = cls(settings, engine, model, image_fn, model.can("text") and model.tokenizer is not None)
         job.dims = {fn: job._dims(fn) for fn in ((image_fn, "text") if job.texts else (image_fn,))}
         engine.start()
@@ -192,9 +193,7 @@ class JobModel:
 
 
 def init_worker(nice: int) -> None:
-    """A decode process: a lower priority, and the decoder's modules imported before any work."""
-    from server.pipeline import prepare  # noqa: F401
-
+    """A decode process: a lower priority (the decoder's modules are imported with this module, before any work)."""
     if nice > 0 and hasattr(os, "nice"):
         with contextlib.suppress(OSError):
             os.nice(nice)
@@ -209,8 +208,6 @@ def prepare_chunk(cfg, uint8: bool, limits: tuple[int, int, int, float],
     """Per entry (a file path, or the bytes): ``(row, None)`` or ``(None, reason)``. ``cfg``: the
     model's PreprocessConfig; ``limits``: the server's max body bytes, image and request pixels, and
     request timeout (each image's decode deadline)."""
-    from server.pipeline.prepare import prepare_image, probe_image
-
     max_bytes, max_image_pixels, max_request_pixels, timeout = limits
     out: list[tuple[dict | None, str | None]] = []
     for path, data in entries:
@@ -263,8 +260,6 @@ class DecodePool:
         self.cfg, self.uint8 = preprocess, uint8
 
     def _new(self) -> ProcessPoolExecutor:
-        import multiprocessing
-
         pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=init_worker, initargs=(DECODE_NICE,))
         for _ in range(self.workers):  # start every process now, not at the first chunk
@@ -316,7 +311,7 @@ class Progress:
         self.start = self.last = time.perf_counter()
         self.ended: float | None = None
         self.bar = None
-        if self.stream.isatty():
+        if self.stream.isatty():  # tqdm: an optional extra (jobs), only for a terminal's bar
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="img", desc=what, file=self.stream, dynamic_ncols=True)

@@ -1,8 +1,9 @@
 """OpenTelemetry traces of the requests a process serves (``--otlp-endpoint``), built after the fact.
 
 A door (HTTP's Observe middleware, gRPC's ``Call``) asks :meth:`Tracing.begin` for the request's
-server span: a W3C ``traceparent`` it carries is continued, otherwise the sampler (a ratio,
-``--trace-sample-ratio``, or the ``OTEL_TRACES_SAMPLER`` the SDK reads) decides. Only a sampled
+server span: a W3C ``traceparent`` it carries is continued, otherwise ``--trace-sample-ratio``
+decides, by a draw made before any span exists, so an unsampled request costs no span (or the
+``OTEL_TRACES_SAMPLER`` the SDK reads decides, where set). Only a sampled
 request records anything: ``server.context.stages`` becomes a list, and the service appends each
 stage's perf_counter start and end to it (decode and preprocess per image, queue and inference per
 backend call with the batch's id and size, postprocess). When the request is answered,
@@ -17,16 +18,23 @@ links to it (a span link), so the batch is neither copied into every trace nor a
 
 Spans go to ``URL/v1/traces`` over OTLP/HTTP (protobuf) from the SDK's batch processor, off the
 request path; spans it could not deliver are counted (``softmoe_trace_export_failures_total``).
-With ``--otlp-endpoint`` unset none of this is imported or called: ``app.state.tracing`` is None.
+With ``--otlp-endpoint`` unset none of this is called and the SDK is not imported (the OTel API,
+light, is): ``app.state.tracing`` is None.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from collections import OrderedDict
 
+from opentelemetry import trace
+from opentelemetry.trace import Link, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from softmoe_models import __version__
 from server.metrics import Metrics
 from server.settings import Settings
 
@@ -47,16 +55,17 @@ class Tracing:
     """One tracer provider (per app: tests build many apps in one process) exporting over OTLP/HTTP."""
 
     def __init__(self, settings: Settings, metrics: Metrics, exporter=None) -> None:
-        from opentelemetry import trace
+        # the OTel SDK: only a process that traces (--otlp-endpoint) loads it
         from opentelemetry.sdk.resources import SERVICE_NAME as SERVICE_KEY, Resource
+        # the OTel SDK too: --otlp-endpoint only
         from opentelemetry.sdk.trace import TracerProvider
+        # the OTel SDK too: --otlp-endpoint only
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased, TraceIdRatioBased
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        from softmoe_models import __version__
+        # the OTel SDK too: --otlp-endpoint only
+        from opentelemetry.sdk.trace.sampling import ALWAYS_ON, ParentBased
 
         if exporter is None:
+            # the OTLP exporter (with the SDK): only with --otlp-endpoint and no exporter given
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             exporter = OTLPSpanExporter(endpoint=settings.otlp_endpoint.rstrip("/") + "/v1/traces")
@@ -64,8 +73,11 @@ class Tracing:
         if str(resource.attributes.get(SERVICE_KEY, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_KEY: SERVICE_NAME}))
         # OTEL_TRACES_SAMPLER, where set, is the SDK's to read (sampler=None); else the flag's ratio.
-        sampler = None if os.environ.get("OTEL_TRACES_SAMPLER") else ParentBased(
-            TraceIdRatioBased(settings.trace_sample_ratio))
+        # With the flag's ratio, a request that carries no traceparent is a root, sampled at that
+        # ratio by begin's own draw before any span object exists; the roots it keeps are all
+        # recorded (ALWAYS_ON), and a caller's traceparent decides for the rest (ParentBased).
+        sampler = None if os.environ.get("OTEL_TRACES_SAMPLER") else ParentBased(ALWAYS_ON)
+        self._root_ratio = None if sampler is None else settings.trace_sample_ratio
         self.processor = BatchSpanProcessor(_Counted(exporter, metrics))
         self.provider = TracerProvider(resource=resource, sampler=sampler)
         self.provider.add_span_processor(self.processor)
@@ -87,7 +99,10 @@ class Tracing:
 
     def begin(self, name: str, traceparent: str | None, tracestate: str | None, start: float, attributes: dict):
         """The request's server span (not current anywhere; ended by :meth:`finish`). A sampled one
-        records: ``span.is_recording()``."""
+        records: ``span.is_recording()``. None for a request without a ``traceparent`` that the
+        flag's ratio leaves unsampled: most requests, which so cost no span, ids or sampler call."""
+        if not traceparent and self._root_ratio is not None and random.random() >= self._root_ratio:
+            return None
         parent = None
         if traceparent:
             carrier = {"traceparent": traceparent}
@@ -103,8 +118,6 @@ class Tracing:
 
     def finish(self, span, records: list, end: float, attributes: dict, error: bool = False) -> None:
         """The stage spans from ``records`` (see server.context.stages), then the server span ends at ``end``."""
-        from opentelemetry.trace import Link, Status, StatusCode
-
         parent = self._trace.set_span_in_context(span)
         request_id = attributes.get("softmoe.request_id", "")
         groups: dict[tuple, list] = {}
@@ -157,6 +170,7 @@ class _Counted:
         self.inner, self.metrics = inner, metrics
 
     def export(self, spans):
+        # the OTel SDK: loaded by Tracing.__init__ before any export
         from opentelemetry.sdk.trace.export import SpanExportResult
 
         try:

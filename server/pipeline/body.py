@@ -13,7 +13,9 @@ import json
 import zlib
 from dataclasses import dataclass
 
-from server.errors import BadRequest, PayloadTooLarge, Unprocessable, UnsupportedMediaType
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from server.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
 
 MAX_PARTS = 1024
 MAX_PART_HEADER_BYTES = 4096
@@ -83,8 +85,6 @@ class Part:
 
 def multipart(body: bytes, content_type: str, max_parts: int = MAX_PARTS) -> list[Part]:
     """multipart/form-data -> parts, in memory, at most ``max_parts`` (400 beyond, and when malformed)."""
-    from python_multipart.multipart import MultipartParser, parse_options_header
-
     _, params = parse_options_header(content_type)
     boundary = params.get(b"boundary")
     if not boundary:

@@ -79,11 +79,12 @@ def open_decoder(device: str = "cuda") -> CudaJpegDecoder:
         GpuDecodeUnavailable: torch sees no CUDA device, torchvision is missing or has no nvJPEG
             support, or the test decode fails.
     """
+    # heavy: only a --decode-device cuda server loads torch here (front ends never do)
     import torch
 
     if not torch.cuda.is_available():
         raise GpuDecodeUnavailable(f"--decode-device cuda needs a CUDA device, and torch {torch.__version__} sees none")
-    try:
+    try:  # an optional extra, and heavy: whether it imports is part of the check
         import torchvision.io as tv_io
     except Exception as e:  # ImportError, or a torchvision built for another torch
         raise GpuDecodeUnavailable(f"--decode-device cuda needs torchvision (pip install torchvision "

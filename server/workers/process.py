@@ -52,12 +52,14 @@ from multiprocessing import shared_memory
 from typing import Any, Callable
 
 import numpy as np
+import uvicorn
 
 from server import errors
 from server.errors import ServiceError
 from server.batching.batcher import ModelQueue
 from server.engine.core import Engine
 from server.engine.startup import StartupError, check_backend, describe, load_models
+from server.observability import logs
 from server.metrics import Metrics
 from server.workers.shm import AdmissionTable, Arena
 
@@ -167,7 +169,8 @@ class EngineServer:
     def __init__(self, settings, models: list, frontends: int, lock, metrics, prefix: str | None = None) -> None:
         self.settings, self.models, self.frontends, self.metrics = settings, models, frontends, metrics
         self.engine = Engine(settings, metrics)
-        self.engine.adopt(models)
+        # attached, warmed and proven; the batcher starts in ``serve``, once front ends can connect
+        self.engine.bring_up(models, serve=False)
         self.batcher = self.engine.batcher
         # Queue i of the table, with its function's inputs (the arena's slot layout).
         self.queues: list[ModelQueue] = [q for m in models for q in m.queues.values()]
@@ -181,10 +184,6 @@ class EngineServer:
         self.links: dict[int, EngineLink] = {}
         self.dead_sent: str | None = None
         self.orphaned = False
-
-    def warm_up(self) -> None:
-        for m in self.models:
-            self.engine.warm(m)
 
     def description(self) -> dict:
         queues = [{"name": q.name, "label": q.label, "max_batch_size": q.max_batch_size, "max_queue": q.max_queue,
@@ -370,10 +369,6 @@ def child_setup(log_level: str, on_parent_exit: Callable[[], None], log_format: 
     """A child of the supervisor: its own process group, the server's logging (text, or JSON lines:
     server.observability.logs), and a watch on the parent (a SIGKILLed supervisor must not leave its
     children serving)."""
-    import uvicorn
-
-    from server.observability import logs
-
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     logs.configure(uvicorn.config.LOG_LEVELS[log_level.lower()], log_format)
@@ -415,7 +410,6 @@ def engine_main(settings, frontends: int, lock, path: str, token: bytes, report,
         models = load_models(settings)
         try:
             engine = state["engine"] = EngineServer(settings, models, frontends, lock, Metrics(), prefix)
-            engine.warm_up()
         except Exception as e:
             log.debug("start-up failed", exc_info=True)
             for m in models:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import itertools
 import logging
 import os
@@ -32,8 +33,14 @@ from dataclasses import dataclass
 from multiprocessing import shared_memory
 from typing import Any
 
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from softmoe_models.tokenizer import Tokenizer
+
 from server.errors import QueueFull, Unavailable
 from server.batching.batcher import ModelQueue, Result, Rows
+from server.engine.models import ServedModel
 from server.workers.process import CANCEL, ERROR, FREED, HELLO, RESULT, STATE, SUBMIT, WELCOME, Link, unpack_error
 from server.workers.shm import AdmissionTable, Arena
 
@@ -122,10 +129,6 @@ class RemoteBatcher:
 
     def served_models(self) -> list:
         """ServedModel objects for the app, without weights (see the module docstring)."""
-        from softmoe_models.tokenizer import Tokenizer
-
-        from server.engine.models import ServedModel
-
         models = []
         for d in self.info["models"]:
             m = ServedModel(name=d["name"], kind=d["kind"], source=d["source"],
@@ -342,10 +345,6 @@ class _Merged:
         self.path, self.engine = path, str(engine_pid)
 
     def collect(self):
-        import glob
-
-        from prometheus_client.multiprocess import MultiProcessCollector
-
         for _ in range(3):  # a dead process's gauge file can vanish between the glob and the read
             try:
                 merged = list(MultiProcessCollector.merge(glob.glob(os.path.join(self.path, "*.db")), accumulate=True))
@@ -384,8 +383,6 @@ def merge_process_metrics(metrics, path: str, engine_pid: int) -> None:
     """Make ``metrics.registry`` expose the merged metrics of every process writing to ``path``
     (this process's own metric objects write there too, in multiprocess mode) instead of this
     process's alone; the process and platform collectors stay (this front end's)."""
-    from prometheus_client.metrics import MetricWrapperBase
-
     for value in vars(metrics).values():
         if isinstance(value, MetricWrapperBase):
             with contextlib.suppress(KeyError):
@@ -395,8 +392,6 @@ def merge_process_metrics(metrics, path: str, engine_pid: int) -> None:
 
 def forget_process_metrics(pid: int, path: str) -> None:
     """A dead process's gauges leave the merged view (its counters stay: totals never go back)."""
-    from prometheus_client.multiprocess import mark_process_dead
-
     mark_process_dead(pid, path)
     for name in os.listdir(path):
         if name.startswith("gauge_") and name.endswith(f"_{pid}.db"):

@@ -16,7 +16,9 @@ import time
 from multiprocessing.connection import wait as wait_any
 from typing import Callable
 
+from server.engine.startup import StartupError
 from server.workers.process import engine_main, new_token, unlink_segments
+from server.workers.remote import forget_process_metrics
 
 slog = logging.getLogger("softmoe.server")  # the supervisor's lines: the server's own
 
@@ -114,8 +116,6 @@ class Supervisor:
     @staticmethod
     def _await_ready(proc, recv, what: str) -> None:
         """Until the child reports ready. Raises StartupError (its one line) if it cannot start."""
-        from server.engine.startup import StartupError
-
         try:
             ready = wait_any([recv, proc.sentinel])
             if recv in ready:
@@ -133,8 +133,6 @@ class Supervisor:
             recv.close()
 
     def _supervise(self) -> None:
-        from server.workers.remote import forget_process_metrics
-
         def on_signal(sig: int, frame) -> None:
             self.signals += 1
 

@@ -9,11 +9,13 @@ import torch
 
 from ..config import EncoderConfig, ModelConfig, MoEConfig, TwoTowerConfig, ViTConfig
 from ..models import build_model
+from ..package import save_package
 from .errors import ConversionError
+from .hf_siglip import convert_hf_siglip, is_hf_directory
 from .infer import infer_config
 from .mapping import TO_TORCH, entries
 from .presets import apply_preset, check_preset, get_preset
-from .readers import sha256_of
+from .readers import read_checkpoint, sha256_of
 from .sparse import E3_REFUSAL, SparseOptions
 
 Params = dict[str, np.ndarray]
@@ -191,10 +193,6 @@ def convert_checkpoint(
     Returns:
         The package directory and the notices collected on the way (ignored groups, ...).
     """
-    from ..package import save_package
-    from .hf_siglip import convert_hf_siglip, is_hf_directory
-    from .readers import read_checkpoint
-
     src = Path(src)
     sparse = SparseOptions(router=router, experts_per_token=experts_per_token,  # type: ignore[arg-type]
                            capacity_factor=capacity_factor, batch_priority=batch_priority,

@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import sentencepiece as spm
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..config import EncoderConfig, ModelConfig, TextConfig, TwoTowerConfig, ViTConfig
 from ..models import build_model
+from ..package import TOKENIZER_FILE, save_package
 from ..preprocess import PreprocessConfig
 from .errors import ConversionError
+from .readers import sha256_of
 
 FORMAT = "hf-siglip"
 CONFIG = "config.json"
@@ -150,8 +154,6 @@ def text_config(tc: dict[str, Any], max_len: int, padding_mask_id: int | None) -
 
 def read_weights(src: Path) -> tuple[dict[str, torch.Tensor], list[Path], list[str]]:
     """Every tensor of ``model.safetensors`` (or its shards), float32; the files read; notices."""
-    from safetensors import SafetensorError, safe_open
-
     index = src / WEIGHTS_INDEX
     if (src / WEIGHTS).is_file():
         files = [src / WEIGHTS]
@@ -373,7 +375,7 @@ def sentencepiece_bytes(src: Path, legacy: bool) -> bytes:
     data = (src / SPIECE).read_bytes()
     if legacy:
         return data
-    try:
+    try:  # sentencepiece's protobuf module: needs protobuf, which only this legacy=false path uses
         from sentencepiece import sentencepiece_model_pb2 as pb2
     except Exception as e:  # protobuf missing, or a runtime older than the module's gencode (a VersionError)
         raise ConversionError(f"{TOKENIZER_CONFIG} sets legacy=false, which needs sentencepiece's model protobuf "
@@ -387,8 +389,6 @@ def sentencepiece_bytes(src: Path, legacy: bool) -> bytes:
 
 def text_contract(tok: dict[str, Any], sp_bytes: bytes, max_positions: int, vocab_size: int) -> dict[str, Any]:
     """The package's ``text`` section reproducing SiglipTokenizer with ``padding='max_length'``, ``truncation=True``."""
-    import sentencepiece as spm
-
     sp = spm.SentencePieceProcessor(model_proto=sp_bytes)
     eos, pad, unk = (_token_text(tok[k]) for k in ("eos_token", "pad_token", "unk_token"))
     if eos is None or pad is None or unk is None:
@@ -436,10 +436,133 @@ def text_contract(tok: dict[str, Any], sp_bytes: bytes, max_positions: int, voca
 # ---------------------------------------------------------------- the conversion
 
 
-def _hf_digest(files: list[Path], root: Path) -> str:
-    from .readers import sha256_of
+@dataclass(frozen=True)
+class _Towers:
+    """What ``config.json`` and the tokenizer files make of the model, before any weight is read."""
 
+    cfg: ModelConfig  # TwoTowerConfig (SiglipModel) or ViTConfig (SiglipVisionModel)
+    image_size: int  # the side the image processor must resize to
+    sp_bytes: bytes | None = None  # the package's SentencePiece model (SiglipModel only)
+    mask: bool = False  # whether the text tower masks the padding
+    extra: dict[str, Any] = field(default_factory=dict)  # the package's text contract and zero-shot templates
+    read: list[Path] = field(default_factory=list)  # the tokenizer files read (for the digest)
+    notices: list[str] = field(default_factory=list)
+
+
+def _hf_digest(files: list[Path], root: Path) -> str:
     return sha256_of(sorted(set(files)), root)
+
+
+def _architecture(data: dict[str, Any]) -> tuple[str, str]:
+    """The model type and architecture ``config.json`` names; anything but SUPPORTED is refused."""
+    model_type = data.get("model_type")
+    archs = data.get("architectures") or []
+    if model_type == "siglip2":
+        raise ConversionError(f"{CONFIG}: model_type 'siglip2' (SigLIP 2 NaFlex, variable resolution) is not supported; "
+                              f"supported: {SUPPORTED}")
+    if model_type not in ("siglip", "siglip_vision_model"):
+        raise ConversionError(f"{CONFIG}: model_type {model_type!r} is not supported; supported: {SUPPORTED}")
+    want_arch = "SiglipModel" if model_type == "siglip" else "SiglipVisionModel"
+    if archs and archs[0] != want_arch:
+        raise ConversionError(f"{CONFIG}: architecture {archs[0]!r} is not supported; supported: {SUPPORTED}")
+    return model_type, want_arch
+
+
+def _check_options(*, labels: list[str] | None, tokenizer: str | Path | None, head_activation: str | None,
+                   text_pool: str | None, text_padding_mask: str) -> None:
+    """Refuse the converter options that do not apply to SigLIP or contradict it (see ``convert_hf_siglip``)."""
+    if text_padding_mask not in ("auto", "on", "off"):
+        raise ConversionError(f"text padding mask {text_padding_mask!r} is not one of auto, on, off")
+    if labels is not None or head_activation is not None:
+        raise ConversionError("--labels / --head-activation do not apply: a SigLIP checkpoint has no classifier head")
+    if tokenizer is not None:
+        raise ConversionError(f"--tokenizer does not apply: the tokenizer is read from the directory ({SPIECE})")
+    if text_pool not in (None, "last"):
+        raise ConversionError(f"--text-pool {text_pool} contradicts SigLIP, whose text tower pools the last position")
+
+
+def _masks_padding(tok: dict[str, Any], contract: dict[str, Any], text_padding_mask: str) -> bool:
+    """Whether the text tower masks the padding: 'on', or 'auto' when the tokenizer returns an
+    ``attention_mask``; only EOS padding can be masked."""
+    mask = text_padding_mask == "on" or (
+        text_padding_mask == "auto" and "attention_mask" in (tok.get("model_input_names") or []))
+    if mask and contract["pad_id"] != contract["eos_id"]:
+        raise ConversionError(f"{TOKENIZER_CONFIG}: the tokenizer pads with {contract['pad_id']}, not its EOS "
+                              f"{contract['eos_id']}; only EOS padding can be masked (pass --text-padding-mask off)")
+    return mask
+
+
+def _text_length_notices(tok: dict[str, Any], max_len: int, positions: int) -> list[str]:
+    """Where the tokenizer's ``model_max_length`` and the text tower's position table disagree."""
+    if max_len < positions:
+        return [f"text length {max_len} (tokenizer model_max_length) uses the first {max_len} of {positions} "
+                "position embeddings"]
+    if tok.get("model_max_length") is not None and int(tok["model_max_length"]) > positions:
+        return [f"tokenizer model_max_length {tok['model_max_length']} exceeds the text tower's {positions} "
+                f"position embeddings: texts are padded and truncated to {positions}"]
+    return []
+
+
+def _siglip_model(src: Path, data: dict[str, Any], text_padding_mask: str) -> _Towers:
+    """SiglipModel: the image tower, and the text tower with its contract from the tokenizer files."""
+    image = vision_config(_sub(data, "vision_config", VISION_DEFAULTS))
+    tc = _sub(data, "text_config", TEXT_DEFAULTS)
+    tok = read_tokenizer_config(src)
+    read = [p for p in (src / SPIECE, src / TOKENIZER_CONFIG) if p.is_file()]
+    sp_bytes = sentencepiece_bytes(src, legacy=bool(tok["legacy"]))
+    positions = int(tc["max_position_embeddings"])
+    contract = text_contract(tok, sp_bytes, positions, int(tc["vocab_size"]))
+    mask = _masks_padding(tok, contract, text_padding_mask)
+    text = text_config(tc, contract["max_len"], contract["pad_id"] if mask else None)
+    if text.num_classes != image.encoder.hidden_size:
+        raise ConversionError(f"{CONFIG}: text_config.projection_size {text.num_classes} differs from the image "
+                              f"embedding width (vision_config.hidden_size {image.encoder.hidden_size})")
+    return _Towers(cfg=TwoTowerConfig(image=image, text=text, has_bias=True), image_size=image.image_size,
+                   sp_bytes=sp_bytes, mask=mask, extra={"text": contract, "zero_shot_templates": ["{}"]}, read=read,
+                   notices=_text_length_notices(tok, contract["max_len"], positions))
+
+
+def _siglip_vision_model(data: dict[str, Any]) -> _Towers:
+    """SiglipVisionModel: the image tower alone, its settings at the top of ``config.json``."""
+    cfg = vision_config({**VISION_DEFAULTS, **{k: v for k, v in data.items() if v is not None}}, "config")
+    return _Towers(cfg=cfg, image_size=cfg.image_size)
+
+
+def _load_weights(src: Path, cfg: ModelConfig) -> tuple[torch.nn.Module, list[Path], list[str]]:
+    """Our model of ``cfg`` holding the directory's weights, every tensor accounted for; the weight
+    files read; notices."""
+    tensors, files, notices = read_weights(src)
+    vision_prefix = "vision_model." if any(k.startswith("vision_model.") for k in tensors) else ""
+    state, more = state_dict_from_hf(tensors, cfg, vision_prefix)
+    model = build_model(cfg, device="meta")
+    model.load_state_dict(state, assign=True)
+    return model, files, notices + more
+
+
+def _write_tokenizer(out: Path, sp_bytes: bytes | None) -> Path | None:
+    """Create the package directory and write the SentencePiece model into it (SiglipModel only)."""
+    out.mkdir(parents=True, exist_ok=True)
+    if sp_bytes is None:
+        return None
+    tok_file = out / TOKENIZER_FILE
+    tok_file.write_bytes(sp_bytes)
+    return tok_file
+
+
+def _provenance(src: Path, data: dict[str, Any], arch: str, pc_file: Path, read: list[Path], towers: _Towers,
+                text_padding_mask: str) -> dict[str, Any]:
+    """The package's record of its source: the directory, a digest of every file read, the
+    architecture, the processor file and, for two towers, why the padding is (not) masked."""
+    provenance: dict[str, Any] = {
+        "source": str(src), "format": FORMAT, "sha256": _hf_digest(read, src), "architecture": arch,
+        "transformers_version": data.get("transformers_version"),
+        "image_processor": pc_file.name,
+    }
+    if isinstance(towers.cfg, TwoTowerConfig):
+        why = "given" if text_padding_mask != "auto" else (
+            f"auto: the reference tokenizer {'returns' if towers.mask else 'does not return'} an attention_mask")
+        provenance["text_padding_mask"] = f"{'on' if towers.mask else 'off'} ({why})"
+    return provenance
 
 
 def convert_hf_siglip(
@@ -470,91 +593,20 @@ def convert_hf_siglip(
     Raises:
         ConversionError: an unsupported model or setting, or a missing file; one line naming it.
     """
-    from ..package import TOKENIZER_FILE, save_package
-
     src, out = Path(src), Path(out)
     data = read_hf_config(src)
     if data is None:
         raise ConversionError(f"{src}: not a Hugging Face model directory (no {CONFIG} with a model_type)")
-    model_type = data.get("model_type")
-    archs = data.get("architectures") or []
-    if model_type == "siglip2":
-        raise ConversionError(f"{CONFIG}: model_type 'siglip2' (SigLIP 2 NaFlex, variable resolution) is not supported; "
-                              f"supported: {SUPPORTED}")
-    if model_type not in ("siglip", "siglip_vision_model"):
-        raise ConversionError(f"{CONFIG}: model_type {model_type!r} is not supported; supported: {SUPPORTED}")
-    want_arch = "SiglipModel" if model_type == "siglip" else "SiglipVisionModel"
-    if archs and archs[0] != want_arch:
-        raise ConversionError(f"{CONFIG}: architecture {archs[0]!r} is not supported; supported: {SUPPORTED}")
-    if text_padding_mask not in ("auto", "on", "off"):
-        raise ConversionError(f"text padding mask {text_padding_mask!r} is not one of auto, on, off")
-    if labels is not None or head_activation is not None:
-        raise ConversionError("--labels / --head-activation do not apply: a SigLIP checkpoint has no classifier head")
-    if tokenizer is not None:
-        raise ConversionError(f"--tokenizer does not apply: the tokenizer is read from the directory ({SPIECE})")
-    if text_pool not in (None, "last"):
-        raise ConversionError(f"--text-pool {text_pool} contradicts SigLIP, whose text tower pools the last position")
-
-    notices: list[str] = []
-    read = [src / CONFIG]
+    model_type, arch = _architecture(data)
+    _check_options(labels=labels, tokenizer=tokenizer, head_activation=head_activation, text_pool=text_pool,
+                   text_padding_mask=text_padding_mask)
     pc, pc_file = read_processor_config(src)
-    read.append(pc_file)
-    extra: dict[str, Any] = {}
-    if model_type == "siglip":
-        image = vision_config(_sub(data, "vision_config", VISION_DEFAULTS))
-        tc = _sub(data, "text_config", TEXT_DEFAULTS)
-        tok = read_tokenizer_config(src)
-        read += [p for p in (src / SPIECE, src / TOKENIZER_CONFIG) if p.is_file()]
-        sp_bytes = sentencepiece_bytes(src, legacy=bool(tok["legacy"]))
-        contract = text_contract(tok, sp_bytes, int(tc["max_position_embeddings"]), int(tc["vocab_size"]))
-        mask = text_padding_mask == "on" or (
-            text_padding_mask == "auto" and "attention_mask" in (tok.get("model_input_names") or []))
-        if mask and contract["pad_id"] != contract["eos_id"]:
-            raise ConversionError(f"{TOKENIZER_CONFIG}: the tokenizer pads with {contract['pad_id']}, not its EOS "
-                                  f"{contract['eos_id']}; only EOS padding can be masked (pass --text-padding-mask off)")
-        text = text_config(tc, contract["max_len"], contract["pad_id"] if mask else None)
-        if text.num_classes != image.encoder.hidden_size:
-            raise ConversionError(f"{CONFIG}: text_config.projection_size {text.num_classes} differs from the image "
-                                  f"embedding width (vision_config.hidden_size {image.encoder.hidden_size})")
-        cfg: ModelConfig = TwoTowerConfig(image=image, text=text, has_bias=True)
-        image_size = image.image_size
-        extra = {"text": contract, "zero_shot_templates": ["{}"]}
-        positions = int(tc["max_position_embeddings"])
-        if contract["max_len"] < positions:
-            notices.append(f"text length {contract['max_len']} (tokenizer model_max_length) uses the first "
-                           f"{contract['max_len']} of {positions} position embeddings")
-        elif tok.get("model_max_length") is not None and int(tok["model_max_length"]) > positions:
-            notices.append(f"tokenizer model_max_length {tok['model_max_length']} exceeds the text tower's {positions} "
-                           f"position embeddings: texts are padded and truncated to {positions}")
-    else:
-        cfg = vision_config({**VISION_DEFAULTS, **{k: v for k, v in data.items() if v is not None}}, "config")
-        image_size = cfg.image_size
-        sp_bytes = None
-        mask = False
-    preprocess, more = preprocess_config(pc, image_size, pc_file)
-    notices += more
-    tensors, weight_files, more = read_weights(src)
-    notices += more
-    read += weight_files
-    vision_prefix = "vision_model." if any(k.startswith("vision_model.") for k in tensors) else ""
-    state, more = state_dict_from_hf(tensors, cfg, vision_prefix)
-    notices += more
-    model = build_model(cfg, device="meta")
-    model.load_state_dict(state, assign=True)
-
-    out.mkdir(parents=True, exist_ok=True)
-    tok_file = None
-    if sp_bytes is not None:
-        tok_file = out / TOKENIZER_FILE
-        tok_file.write_bytes(sp_bytes)
-    provenance: dict[str, Any] = {
-        "source": str(src), "format": FORMAT, "sha256": _hf_digest(read, src), "architecture": want_arch,
-        "transformers_version": data.get("transformers_version"),
-        "image_processor": pc_file.name,
-    }
-    if isinstance(cfg, TwoTowerConfig):
-        why = "given" if text_padding_mask != "auto" else (
-            f"auto: the reference tokenizer {'returns' if mask else 'does not return'} an attention_mask")
-        provenance["text_padding_mask"] = f"{'on' if mask else 'off'} ({why})"
-    pkg = save_package(model, cfg, out, tokenizer=tok_file, provenance=provenance, preprocess=preprocess, extra=extra)
-    return pkg, notices
+    towers = _siglip_model(src, data, text_padding_mask) if model_type == "siglip" else _siglip_vision_model(data)
+    preprocess, preprocess_notices = preprocess_config(pc, towers.image_size, pc_file)
+    model, weight_files, weight_notices = _load_weights(src, towers.cfg)
+    read = [src / CONFIG, pc_file, *towers.read, *weight_files]
+    tok_file = _write_tokenizer(out, towers.sp_bytes)
+    provenance = _provenance(src, data, arch, pc_file, read, towers, text_padding_mask)
+    pkg = save_package(model, towers.cfg, out, tokenizer=tok_file, provenance=provenance, preprocess=preprocess,
+                       extra=towers.extra)
+    return pkg, towers.notices + preprocess_notices + weight_notices

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator, Union
 
 import msgpack
+import ml_dtypes
 import numpy as np
 
 from .errors import ConversionError
@@ -173,10 +174,6 @@ def numpy_dtype(name: str) -> np.dtype:
         return np.dtype(name)
     except TypeError:
         pass
-    try:
-        import ml_dtypes
-    except ImportError as e:  # pragma: no cover - ml_dtypes is a dependency
-        raise ValueError(f"dtype {name!r} needs the ml_dtypes package") from e
     if not hasattr(ml_dtypes, name):
         raise ValueError(f"unknown dtype {name!r}")
     return np.dtype(getattr(ml_dtypes, name))

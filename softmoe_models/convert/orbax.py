@@ -225,7 +225,7 @@ def read_arrays(
     Returns:
         '/'-joined key path -> array.
     """
-    try:
+    try:  # heavy: tensorstore only for an orbax checkpoint
         import tensorstore as ts
     except ImportError as e:
         raise ConversionError(

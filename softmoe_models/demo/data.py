@@ -17,6 +17,7 @@ import io
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from ..preprocess import PreprocessConfig, preprocess_image
 
@@ -42,23 +43,19 @@ def caption(template: str, digit: int) -> str:
 
 def digit_png(values: np.ndarray) -> bytes:
     """8x8 values 0..16 -> 8-bit grayscale PNG bytes."""
-    from PIL import Image
-
     u8 = np.round(values.reshape(8, 8).astype(np.float64) * 255 / 16).astype(np.uint8)
     buf = io.BytesIO()
     Image.fromarray(u8, "L").save(buf, "PNG")
     return buf.getvalue()
 
 
-def decode_png(data: bytes) -> "PIL.Image.Image":  # noqa: F821
+def decode_png(data: bytes) -> Image.Image:
     """PNG bytes of ``digit_png`` -> RGB image, the pixels the server's decoder gives for them.
 
     Only for the demo's own PNGs: the server's decoder adds what untrusted input needs (format
     allowlist, pixel limits, deadlines, EXIF orientation, every mode to RGB), none of which changes
     an 8-bit grayscale PNG of one frame without EXIF.
     """
-    from PIL import Image
-
     with Image.open(io.BytesIO(data), formats=["PNG"]) as im:
         return im.convert("RGB")
 
@@ -78,6 +75,7 @@ class Split:
 
 def load_splits() -> tuple[Split, Split]:
     """(train, held-out) through PNG -> decode -> preprocess."""
+    # heavy: scikit-learn only where the digits are read (training, calibration, the bench corpus)
     from sklearn.datasets import load_digits
 
     digits = load_digits()

@@ -12,19 +12,23 @@ Reproducible: fixed seeds, one intra-op thread, deterministic algorithms, data i
 from __future__ import annotations
 
 import io
+import json
 import math
 import shutil
 import tempfile
 from pathlib import Path
 
-import numpy as np
+import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 
 from ..config import EncoderConfig, MoEConfig, TextConfig, TwoTowerConfig, ViTConfig
 from ..models import build_model
-from ..package import save_package
+from .. import routing
+from ..package import load_model, save_package
 from ..tokenizer import Tokenizer
+from .calibration import calibration_pixels
+from .evaluate import evaluate_classifier, evaluate_zero_shot
 from .data import (HELDOUT_TEMPLATES, LABELS, PREPROCESS, SERVING_TEMPLATES, TRAIN_TEMPLATES, WORDS, Split, caption,
                    load_splits)
 
@@ -92,8 +96,6 @@ def caption_corpus() -> list[tuple[str, int]]:
 
 def train_tokenizer(out_dir: Path) -> Path:
     """SentencePiece on the training captions (held-out templates excluded)."""
-    import sentencepiece as spm
-
     model = io.BytesIO()  # in memory: no temp path ends up in the model's trainer spec
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter([c for c, _ in caption_corpus()]), model_writer=model, vocab_size=96,
@@ -150,8 +152,6 @@ def train_lit(classifier: torch.nn.Module, train: Split, tokenizer: Tokenizer, s
 
 def train_demo(out: str | Path, seed: int = 0, epochs: int = 100, lit_steps: int = 1500, log=print) -> tuple[Path, Path]:
     """Train both models and write ``OUT/digits`` and ``OUT/digits-lit``; returns their paths."""
-    from .evaluate import evaluate_classifier, evaluate_zero_shot
-
     out = Path(out)
     train, held = load_splits()
     log(f"data: {len(train.targets)} training and {len(held.targets)} held-out digits (index % 5 == 0)")
@@ -183,19 +183,12 @@ def train_demo(out: str | Path, seed: int = 0, epochs: int = 100, lit_steps: int
 
 
 def _profile(pkg: Path) -> None:
-    import torch
-
-    from .. import routing
-    from ..package import load_model
-
     torch.manual_seed(0)
-    pixels, source = routing.calibration_pixels(pkg)
+    pixels, source = calibration_pixels(pkg)
     routing.write_profile(pkg, routing.compute_profile(load_model(pkg), pixels, source))
 
 
 def _record(pkg: Path, results: dict) -> None:
-    import json
-
     cfg_file = pkg / "config.json"
     meta = json.loads(cfg_file.read_text())
     meta["eval"] = {k: round(v, 6) for k, v in results.items()}

@@ -49,8 +49,8 @@ def _counting(monkeypatch) -> dict[str, list]:
     return calls
 
 
-def _run(files, fn: str, rows: dict) -> dict:
-    backend = OnnxRuntimeBackend(files, routing=True)
+def _run(files, fn: str, rows: dict, package: Path | None = None) -> dict:
+    backend = OnnxRuntimeBackend(files, routing=True, weights=package / "model.safetensors" if package else None)
     try:
         return backend.run(fn, rows)
     finally:
@@ -72,10 +72,10 @@ def test_a_package_of_the_same_structure_is_bound_not_exported(monkeypatch, pack
     # the bound graph answers with b's weights: as the torch backend on b, and as b's own export
     size = read_metadata(bound[0])["package_config"]["model"]["image_size"]
     x = np.random.default_rng(0).uniform(-1, 1, (3, 3, size, size)).astype(np.float32)
-    got = _run(bound, "classify", {"pixel_values": x})
+    got = _run(bound, "classify", {"pixel_values": x}, b)
     torch_b = TorchBackend(b, device="cpu", precision="fp32", max_batch_size=8).run("classify", {"pixel_values": x})
     assert float(np.abs(got["logits"] - torch_b["logits"]).max()) < 1e-4
-    assert float(np.abs(got["logits"] - _run(first, "classify", {"pixel_values": x})["logits"]).max()) > 1e-3
+    assert float(np.abs(got["logits"] - _run(first, "classify", {"pixel_values": x}, a)["logits"]).max()) > 1e-3
     own = export.onnx.export_onnx(b, tmp_path / "own" / "model.onnx", routing=True, towers="split",
                                   log=lambda *_: None)
     mine = _run([own[0].path], "classify", {"pixel_values": x})
@@ -125,7 +125,7 @@ def test_a_binding_that_fails_verification_is_exported_instead(monkeypatch, pack
     size = read_metadata(files[0])["package_config"]["model"]["image_size"]
     x = np.random.default_rng(1).uniform(-1, 1, (2, 3, size, size)).astype(np.float32)
     torch_b = TorchBackend(b, device="cpu", precision="fp32", max_batch_size=8).run("classify", {"pixel_values": x})
-    assert float(np.abs(_run(files, "classify", {"pixel_values": x})["logits"] - torch_b["logits"]).max()) < 1e-4
+    assert float(np.abs(_run(files, "classify", {"pixel_values": x}, b)["logits"] - torch_b["logits"]).max()) < 1e-4
 
 
 def test_another_structure_is_exported(monkeypatch, packages, tmp_path):
@@ -170,3 +170,45 @@ def test_the_child_exports_and_binds(packages, tmp_path, mode):
     if mode == "bind":
         b = _other_weights(a, tmp_path / "b")
         assert ob._in_child("bind", b, tmp_path / "bb" / "model.onnx", settings, tmp_path / "s") == names
+
+
+def test_the_cache_holds_no_copy_of_the_weights(monkeypatch, packages, tmp_path):
+    """Exported then bound: each entry's graphs read their weights from the package's own file,
+    the entry keeps only what that file does not hold as the graphs take it."""
+    a = packages["golden"]
+    calls, b, cache_dir = _a_exported(monkeypatch, a, tmp_path)
+    import onnx
+
+    from export import weights_file
+
+    for package in (a, b):
+        files = exported_files(package, cache_dir, "fp32", log=lambda *_: None)
+        entry = files[0].parent
+        assert not list(entry.glob("*.onnx.data"))
+        stored = weights_file.index(package / "model.safetensors")
+        [structure] = [p for p in (tmp_path / "cache" / "onnx-structure").iterdir() if p.is_dir()]
+        steps = json.loads((structure / binding.RECIPE).read_text())["model.routing.onnx"]["steps"]
+        graph = onnx.load(str(entry / "model.routing.onnx"), load_external_data=False)
+        length = {t.name: int(next(e.value for e in t.external_data if e.key == "length"))
+                  for t in graph.graph.initializer if t.external_data}
+        from_package = {t.name for t in weights_file.uses_package(graph)}
+        # every parameter taken as it is or by row is read from the package, the rest (transposed,
+        # derived) once from the entry's derived file
+        assert from_package == {s["name"] for s in steps if s["op"] in ("same", "row") and s["source"] in stored}
+        derived = sum(length[s["name"]] for s in steps if s["name"] not in from_package)
+        assert derived <= (entry / "model.derived.data").stat().st_size < derived + 4096 * len(steps)
+    assert calls == {"export": [a], "bind": [b]}, calls
+
+
+def test_a_bound_graph_needs_its_package_weights(monkeypatch, packages, tmp_path):
+    a = packages["golden"]
+    _counting(monkeypatch)
+    files = exported_files(a, str(tmp_path / "cache"), "fp32", log=lambda *_: None)
+    from export.errors import ExportError
+
+    with pytest.raises(ExportError, match="model.safetensors: give the session that file"):
+        OnnxRuntimeBackend(files)
+    other = _other_weights(a, tmp_path / "short")
+    (other / "model.safetensors").write_bytes((a / "model.safetensors").read_bytes()[:4096])
+    with pytest.raises(ExportError, match="are not in"):
+        OnnxRuntimeBackend(files, weights=other / "model.safetensors")

@@ -66,7 +66,7 @@ def test_build_publishes_a_checked_entry_and_lookup_reuses_it(tmp_path):
     assert {n: p.read_bytes() for n, p in entry.files.items()} == files
     manifest = json.loads((entry.path / cache.MANIFEST).read_text())
     assert manifest["key"] == "k1" and manifest["inputs"] == {"x": 1}
-    assert manifest["files"]["model.onnx"] == {"size": 500, "sha256": cache.file_sha256(entry.files["model.onnx"])}
+    assert manifest["files"]["model.onnx"] == {"size": 500, "blake3": cache.file_digest(entry.files["model.onnx"])}
     again = cache.build(tmp_path, "k1", _writer(files, calls), **QUIET)
     assert not again.built and again.files == entry.files and again.meta == entry.meta
     assert len(calls) == 1 and cache.lookup(tmp_path, "k1", **QUIET) == again
@@ -220,13 +220,13 @@ def fresh_output(pkg, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("fresh") / "model.onnx"
     export_onnx(pkg, out, towers="split", **QUIET)
-    return _logits([out])
+    return _logits([out], pkg)
 
 
-def _logits(files: list[Path]) -> np.ndarray:
+def _logits(files: list[Path], package: Path) -> np.ndarray:
     from server.backends.onnxruntime_backend import OnnxRuntimeBackend
 
-    backend = OnnxRuntimeBackend(files, threads=1)
+    backend = OnnxRuntimeBackend(files, threads=1, weights=package / "model.safetensors")
     x = np.random.default_rng(0).uniform(-1, 1, (3, 3, 32, 32)).astype(np.float32)
     return backend.run("classify", {"pixel_values": x})["logits"]
 
@@ -304,8 +304,8 @@ def test_corrupt_cached_onnx_is_rebuilt_never_served(monkeypatch, pkg, fresh_out
     monkeypatch.setattr(export.onnx, "bind_onnx", counting_binds)
     files = exported_files(pkg, str(tmp_path / "cache"), "fp32", **QUIET)
     assert [f.name for f in files] == ["model.onnx"] and len(exports) == 1
-    assert exports[0].parent.name.startswith(".tmp-")  # written in a temp dir, published by rename
-    assert np.array_equal(_logits(files), fresh_output)
+    assert exports[0].parent.parent.name.startswith(".tmp-")  # written in a temp dir, published by rename
+    assert np.array_equal(_logits(files, pkg), fresh_output)
     assert exported_files(pkg, str(tmp_path / "cache"), "fp32", **QUIET) == files and len(exports) == 1
 
     {"flip": _flip, "truncate": _truncate, "no-manifest": _drop_manifest}[corrupt](files[0])
@@ -314,7 +314,7 @@ def test_corrupt_cached_onnx_is_rebuilt_never_served(monkeypatch, pkg, fresh_out
     # rebuilt from the structure exported once: the weights bound again and verified
     assert len(exports) == 1 and len(binds) == 1 and any("not usable" in line for line in lines)
     assert again == files
-    assert np.array_equal(_logits(again), fresh_output)  # what is served is a fresh, verified export
+    assert np.array_equal(_logits(again, pkg), fresh_output)  # what is served is a fresh, verified export
     assert _leftovers(tmp_path / "cache" / "onnx") == []
 
 

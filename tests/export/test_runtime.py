@@ -9,6 +9,7 @@ import threading
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -42,7 +43,7 @@ def test_a_background_session_is_set_up_at_nice_19_and_serves_from_threads_at_th
 
     def spy(fn, *args):
         def probe(*a):
-            seen["setup_nice"] = _nice(threading.get_native_id())
+            seen["setup_nice"], seen["setup_tid"] = _nice(threading.get_native_id()), str(threading.get_native_id())
             return fn(*a)
         return real(probe, *args)
 
@@ -50,7 +51,8 @@ def test_a_background_session_is_set_up_at_nice_19_and_serves_from_threads_at_th
     before = set(os.listdir("/proc/self/task"))
     mine = _nice(threading.get_native_id())
     session = runtime.ort_session(path, threads=3, background=True)
-    started = set(os.listdir("/proc/self/task")) - before
+    # the set-up thread has ended, but its task can outlive the join by a moment
+    started = set(os.listdir("/proc/self/task")) - before - {seen["setup_tid"]}
     assert seen["setup_nice"] == 19
     assert started, "three intra-op threads: two started by the session"
     assert {_nice(int(t)) for t in started} == {mine}  # the threads that serve keep the caller's priority
@@ -81,3 +83,19 @@ def test_the_structure_digest_leaves_out_the_weights_values_and_nothing_else(tmp
     # a scalar a graph optimiser may match on, another shape: another structure
     assert runtime.structure_digest(_graph(tmp_path / "c.onnx", rng.standard_normal((16, 16)), eps=1e-5)) != base
     assert runtime.structure_digest(_graph(tmp_path / "d.onnx", rng.standard_normal((8, 8)), width=8)) != base
+
+
+def test_weights_prepacked_on_the_intra_op_threads_give_the_same_bits_and_a_background_session_packs_alone(tmp_path):
+    rng = np.random.default_rng(1)
+    path = _graph(tmp_path / "m.onnx", rng.standard_normal((256, 256)), width=256)
+    assert runtime.session_options(2).get_session_config_entry("session.prepack.enable_parallel") == "1"
+    assert runtime.session_options(2, parallel_prepack=False).get_session_config_entry(
+        "session.prepack.enable_parallel") == "0"
+    x = rng.standard_normal((7, 256)).astype(np.float32)
+    parallel = runtime.ort_session(path, threads=2).run(None, {"x": x})[0]
+    background = runtime.ort_session(path, threads=2, background=True).run(None, {"x": x})[0]
+    opts = runtime.session_options(2, parallel_prepack=False)
+    alone = ort.InferenceSession(str(path), sess_options=opts, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(parallel, alone)
+    np.testing.assert_array_equal(background, alone)
+

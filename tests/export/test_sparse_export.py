@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import logging
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -106,13 +107,15 @@ CASES = [pytest.param(name, cf, id=f"{name}-cf{cf}") for name, cf in itertools.p
 ATTENTION = "softmoe_models.layers.Attention"  # in a node's pkg.torch.onnx.class_hierarchy
 
 
-def intermediates(path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def intermediates(path: Path, feeds: dict[str, np.ndarray], weights: Path) -> dict[str, np.ndarray]:
     """Every value the graph at ``path`` computes (node outputs) outside self-attention, run by
-    ONNX Runtime on ``feeds``."""
+    ONNX Runtime on ``feeds``; ``weights``: the package's weights file a cached graph reads."""
     import onnx
     import onnxruntime as ort
+    from export.weights_file import write_standalone
 
-    model = onnx.load(str(path))
+    with tempfile.TemporaryDirectory() as tmp:  # the graph with its data, for a session of a changed copy
+        model = onnx.load(str(write_standalone(path, weights, Path(tmp) / path.name)))
     known = {o.name for o in model.graph.output}
     for node in model.graph.node:
         meta = {p.key: p.value for p in node.metadata_props}
@@ -150,7 +153,7 @@ def routing_sizes(package: Path, batch: int) -> tuple[set[int], int, list[int]]:
 def offending(path: Path, package: Path, batch: int = 3) -> list[tuple[str, tuple[int, ...]]]:
     tokens, experts, capacities = routing_sizes(package, batch)
     x = np.random.default_rng(batch).uniform(-1, 1, (batch, 3, 32, 32)).astype(np.float32)
-    return [(name, v.shape) for name, v in intermediates(path, {"pixel_values": x}).items()
+    return [(name, v.shape) for name, v in intermediates(path, {"pixel_values": x}, package / "model.safetensors").items()
             if any(tokens_experts_capacity(v.shape, tokens, experts, c) for c in capacities)]
 
 
@@ -240,7 +243,7 @@ def test_outputs_equal_torch_at_several_batch_sizes_and_per_image(exported, name
     golden = e["images"]  # (8, 3, 32, 32)
     others = np.random.default_rng(7).uniform(-1, 1, golden.shape).astype(np.float32)
     for role, path in (("classifier", e["plain"]), ("routing", e["routing"])):
-        session = ort_session(path)
+        session = ort_session(path, weights=e["package"] / "model.safetensors")
         names = [o.name for o in session.get_outputs()]
 
         def run(x: np.ndarray) -> dict[str, np.ndarray]:
@@ -297,7 +300,8 @@ def _verify(e):
     from export.onnx import verify
 
     graphs = _torch_graphs(e["package"])
-    return verify(e["plain"], graphs["classifier"], graphs["classifier"], "fp32", (1, 4), 2)
+    return verify(e["plain"], graphs["classifier"], graphs["classifier"], "fp32", (1, 4), 2,
+                  weights=e["package"] / "model.safetensors")
 
 
 def test_a_near_tie_routed_the_other_way_passes_on_the_graphs_gates(exported, monkeypatch):

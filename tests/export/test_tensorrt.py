@@ -47,7 +47,7 @@ def test_profile_shapes_and_validation():
 
 
 def _key(**kw):
-    base = dict(weights_sha256="a" * 64, graph="classifier", tensorrt_version="10.13.0", gpu_name="NVIDIA H200",
+    base = dict(weights_digest="a" * 64, graph="classifier", tensorrt_version="10.13.0", gpu_name="NVIDIA H200",
                 compute_capability="9.0", precision="fp16", profile=(1, 8, 32), workspace_bytes=4 << 30)
     base.update(kw)
     return EngineKey(**base)
@@ -56,9 +56,9 @@ def _key(**kw):
 def test_engine_key_is_stable_and_sensitive():
     assert _key().digest() == _key().digest()
     assert len(_key().digest()) == 32 and _key().file_name().startswith("classifier-fp16-")
-    for change in (dict(weights_sha256="b" * 64), dict(tensorrt_version="10.14.1"), dict(gpu_name="NVIDIA A100"),
+    for change in (dict(weights_digest="b" * 64), dict(tensorrt_version="10.14.1"), dict(gpu_name="NVIDIA A100"),
                    dict(compute_capability="8.0"), dict(precision="bf16"), dict(profile=(1, 16, 32)), dict(graph="image"),
-                   dict(config_sha256="c" * 64)):
+                   dict(config_digest="c" * 64)):
         assert _key(**change).digest() != _key().digest(), change
     # A golden value: the key must not drift between releases (engines on disk stay valid).
     assert _key().digest() == EngineKey(**{**_key().__dict__}).digest()
@@ -245,7 +245,7 @@ def test_engines_are_verified_in_a_temp_dir_then_published_and_reused(tiny_packa
     engine, routing_engine = engines  # a Soft MoE package also gets the /v1/routing graph's engine
     assert engine.name.startswith("classifier-fp16-") and engine.read_bytes() == b"ENGINE"
     assert routing_engine.name.startswith("routing-fp16-")
-    assert json.loads(engine.with_suffix(".json").read_text())["config_sha256"] == cache.file_sha256(tiny_package / "config.json")
+    assert json.loads(engine.with_suffix(".json").read_text())["config_digest"] == cache.file_digest(tiny_package / "config.json")
     verified = stand_in["verify"]
     assert [v.name for v in verified] == [e.name for e in engines]
     assert all(v.parent.name.startswith(".tmp-") for v in verified)  # checked before publishing

@@ -52,6 +52,9 @@ KEYS = (
     "oip_grpc_img_per_s_b8", "oip_http_json_img_per_s_b8", "oip_http_binary_img_per_s_b8",
     "oip_grpc_server_cpu_ms_per_img_b1", "oip_http_json_server_cpu_ms_per_img_b1",
     "oip_http_binary_server_cpu_ms_per_img_b1",
+    # the OIP answer's encoding in the postprocess stage, per wire, 1 and 32 rows
+    *(f"oip_{kind}_ms_{wire}_r{rows}" for kind in ("encode", "round_trip") for wire in ("http_json", "http_binary", "grpc")
+      for rows in (1, 32)),
     # sparse V-MoE (Tokens Choice K=1, K=2, Experts Choice at capacity factors 4.0 and 1.05) served
     # beside Soft MoE; expert rows per image and MoE block; Tokens Choice's routed vs capacity form
     *(f"sparse_{k}_{key}" for k in ("tc", "tc_k2", "ec", "tc_cf105", "tc_k2_cf105", "ec_cf105")

@@ -18,6 +18,7 @@ from PIL import Image
 
 from helpers.images import b64, png
 from helpers.live import live_server
+from server.engine import core as engine_core
 from server.http.app import create_app
 from server.batching.batcher import FatalBackendError
 from server.errors import ServiceError
@@ -219,16 +220,14 @@ def test_unrecoverable_failure_fails_liveness(served):
 # 19 ------------------------------------------------------------------------- readiness and warm-up
 
 
-def test_not_ready_before_startup_and_every_shape_warmed():
+def test_not_ready_before_startup_and_every_shape_warmed(monkeypatch):
     from fastapi.testclient import TestClient
 
     app = create_app(Settings(max_batch_size=8))
     cold = TestClient(app)  # no lifespan yet: nothing loaded
     assert cold.get("/v2/health/ready").status_code == 503
     shapes: dict[str, set] = {}
-    import server.engine.core as registry  # the name the engine's load calls
-
-    real_warmup = registry.warmup
+    real_warmup = engine_core.warmup  # the name the engine's bring-up calls
 
     def spy(model, settings, log=print):
         real_run = model.backend.run
@@ -241,12 +240,9 @@ def test_not_ready_before_startup_and_every_shape_warmed():
         real_warmup(model, settings, log)
         model.backend.run = real_run
 
-    registry.warmup = spy
-    try:
-        with TestClient(app) as client:
-            assert client.get("/v2/health/ready").status_code == 200
-    finally:
-        registry.warmup = real_warmup
+    monkeypatch.setattr(engine_core, "warmup", spy)
+    with TestClient(app) as client:
+        assert client.get("/v2/health/ready").status_code == 200
     # Strict determinism runs the maximal shape and the smaller shapes proven bitwise equal to it;
     # every function of every model ran all of its shapes before ready.
     assert set(shapes) == {"digits/classify", "digits-lit/image", "digits-lit/text", "digits/routing", "digits-lit/routing"}

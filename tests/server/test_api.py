@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from conftest import golden_npz
 from helpers.images import b64, golden_pngs, png
+from server.api.oip_codec import HttpWire
 from server.http.app import create_app
 from server.settings import Settings
 
@@ -263,6 +265,26 @@ def test_timing_headers_and_request_id(client):
     for h in ("x-decode-time", "x-preprocess-time", "x-queue-time", "x-inference-time", "x-postprocess-time", "x-total-time"):
         assert float(r.headers[h]) >= 0
     assert len(client.get("/v2/health/live").headers["x-request-id"]) == 32
+
+
+@pytest.mark.parametrize("binary", [False, True])
+def test_oip_encoding_is_timed_in_the_postprocess_stage(client, monkeypatch, binary):
+    """The answer's encoding runs inside the postprocess stage: an encode made 80 ms slower shows in
+    x-postprocess-time (it did not while the stage closed before encoding)."""
+    encode = HttpWire.encode
+
+    def slow(self, *args):
+        time.sleep(0.08)
+        return encode(self, *args)
+
+    monkeypatch.setattr(HttpWire, "encode", slow)
+    x = _nchw(golden_npz("softmoe_e8p1"))
+    req = {"inputs": [{"name": "pixel_values", "shape": list(x.shape), "datatype": "FP32", "data": x.reshape(-1).tolist()}],
+           "parameters": {"binary_data_output": binary}}
+    r = client.post("/v2/models/golden/infer", json=req)
+    assert r.status_code == 200, r.text
+    assert ("inference-header-content-length" in r.headers) == binary
+    assert float(r.headers["x-postprocess-time"]) >= 80
 
 
 def test_generated_request_ids_are_unique_and_differ_in_forked_children(client):

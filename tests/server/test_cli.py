@@ -143,23 +143,28 @@ def test_jpeg_draft_is_opt_in_per_model():
     """Off unless asked for; ``--jpeg-draft NAME`` turns it on for that model only, ``*`` for all."""
     from types import SimpleNamespace
 
-    from server.engine.models import ModelLoadError, apply_jpeg_draft
+    from server.engine.models import ModelLoadError, check_jpeg_draft, jpeg_draft
     from softmoe_models.preprocess import PreprocessConfig
 
     def models():
         return [SimpleNamespace(name="a", preprocess=PreprocessConfig(8)), SimpleNamespace(name="b", preprocess=PreprocessConfig(8)),
                 SimpleNamespace(name="t", preprocess=None)]
 
-    ms = models()
-    apply_jpeg_draft(ms, [])
-    assert [m.preprocess.jpeg_draft for m in ms[:2]] == [False, False]
-    apply_jpeg_draft(ms, ["b"])
-    assert [m.preprocess.jpeg_draft for m in ms[:2]] == [False, True]
-    ms = models()
-    apply_jpeg_draft(ms, ["*"])
+    def opened(names):
+        ms = models()
+        for m in ms:  # as load_served_model applies it to each model it opens
+            jpeg_draft(m, names)
+        return ms
+
+    assert [m.preprocess.jpeg_draft for m in opened([])[:2]] == [False, False]
+    assert [m.preprocess.jpeg_draft for m in opened(["b"])[:2]] == [False, True]
+    ms = opened(["*"])
     assert [m.preprocess.jpeg_draft for m in ms[:2]] == [True, True] and ms[2].preprocess is None
     with pytest.raises(ModelLoadError, match="takes no images"):
-        apply_jpeg_draft(models(), ["t"])
+        opened(["t"])
+    check_jpeg_draft(models(), ["*", "a"])
+    with pytest.raises(ModelLoadError, match="no served model has that name"):
+        check_jpeg_draft(models(), ["c"])
 
 
 def test_jpeg_draft_also_when_the_app_loads_its_own_models():

@@ -8,6 +8,7 @@ SIGTERM, last.
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import subprocess
@@ -187,6 +188,27 @@ def test_infer_with_raw_tensors_is_bitwise_http(main):
     assert r.get_response().id == "req-7" and r.get_response().model_version == "1"
 
 
+def test_raw_output_contents_are_the_bytes_http_binary_sends(main):
+    """One codec encodes both wires: each gRPC raw output is byte for byte HTTP binary's chunk."""
+    x = _pixels(4, seed=4)
+    head = json.dumps({"inputs": [{"name": "pixel_values", "shape": list(x.shape), "datatype": "FP32",
+                                   "parameters": {"binary_data_size": x.nbytes}}],
+                       "parameters": {"binary_data_output": True}}).encode()
+    r = httpx.post(f"{main.url}/v2/models/digits/infer", content=head + x.tobytes(), timeout=30,
+                   headers={"inference-header-content-length": str(len(head)),
+                            "content-type": "application/octet-stream"})
+    assert r.status_code == 200, r.text
+    n = int(r.headers["inference-header-content-length"])
+    chunks, at = {}, n
+    for o in json.loads(r.content[:n])["outputs"]:
+        size = o["parameters"]["binary_data_size"]
+        chunks[o["name"]], at = r.content[at:at + size], at + size
+    assert at == len(r.content) and set(chunks) == {"logits", "pre_logits"}
+    g = main.client().infer("digits", [_input(x)]).get_response()
+    raw = dict(zip([o.name for o in g.outputs], g.raw_output_contents))
+    assert raw == chunks
+
+
 def test_classification_is_the_http_extensions(main):
     x = _pixels(3, seed=2)
     r = main.client().infer("digits", [_input(x)], outputs=[tritonclient_grpc.InferRequestedOutput("logits", class_count=3)])
@@ -282,8 +304,14 @@ def test_request_ids_timings_and_metrics(main):
         request.inputs.add(name="pixel_values", datatype="FP32", shape=list(x.shape))
         request.raw_input_contents.append(x.tobytes())
         _, done = call.with_call(request, timeout=30, metadata=(("x-request-id", "grpc-abc"),))
-        initial, trailing = dict(done.initial_metadata()), dict(done.trailing_metadata())
-    assert initial["x-request-id"] == "grpc-abc"
+        trailing = dict(done.trailing_metadata())
+        _, made = call.with_call(request, timeout=30)
+        with pytest.raises(grpc.RpcError) as refused:
+            call(grpc_service.M["ModelInferRequest"](model_name="nope"), timeout=30,
+                 metadata=(("x-request-id", "grpc-nope"),))
+    assert trailing["x-request-id"] == "grpc-abc"
+    assert re.fullmatch("[0-9a-f]{32}", dict(made.trailing_metadata())["x-request-id"])
+    assert dict(refused.value.trailing_metadata())["x-request-id"] == "grpc-nope"
     assert float(trailing["x-inference-time"]) >= 0 and float(trailing["x-queue-time"]) >= 0
     text = httpx.get(f"{main.url}/metrics", timeout=10).text
     assert re.search(r'softmoe_images_total\{endpoint="grpc_infer",model="digits"\} [1-9]', text), text

@@ -217,6 +217,37 @@ def test_tracing_off_imports_nothing_of_opentelemetrys_sdk():
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), cwd=ROOT, timeout=120)
 
 
+def test_an_unsampled_root_request_costs_no_span_and_a_callers_trace_is_still_joined(monkeypatch):
+    """The flag's ratio draws for a request with no traceparent before any span exists; a caller's
+    sampled traceparent is continued whatever the ratio; OTEL_TRACES_SAMPLER leaves it to the SDK."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from server.metrics import Metrics
+    from server.observability.tracing import Tracing
+
+    monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    sampled = traceparent("4bf92f3577b34da6a3ce929d0e0e4736")  # the caller sampled it (flags 01)
+
+    def spans(ratio: float, n: int) -> tuple[object, list]:
+        """The span of a request joining the caller's trace, and of ``n`` root requests."""
+        tracing = Tracing(Settings(trace_sample_ratio=ratio), Metrics(), InMemorySpanExporter())
+        try:
+            joined = tracing.begin("GET /x", sampled, None, time.perf_counter(), {})
+            return joined, [tracing.begin("GET /x", None, None, time.perf_counter(), {}) for _ in range(n)]
+        finally:
+            tracing.provider.shutdown()
+
+    joined, roots = spans(0.0, 200)
+    assert joined.is_recording() and all(span is None for span in roots)
+    joined, roots = spans(1.0, 50)
+    assert joined.is_recording() and all(span.is_recording() for span in roots)
+    kept = [span for span in spans(0.25, 4000)[1] if span is not None]
+    assert 800 < len(kept) < 1200 and all(span.is_recording() for span in kept)
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    joined, roots = spans(1.0, 20)
+    assert not joined.is_recording() and all(span is not None and not span.is_recording() for span in roots)
+
+
 def test_a_key_file_is_reread_and_export_failures_are_counted(tmp_path, monkeypatch):
     from server.http.app import create_app
 

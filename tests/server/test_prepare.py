@@ -71,8 +71,33 @@ def test_a_prepared_cache_serves_from_a_read_only_volume(tmp_path):
     assert "(graphs from the cache, proofs from the cache:" in line and "start-up findings read from" in line, line
     assert "exporting" not in text and "proofs not kept" not in text, text
 
-    # A package of the same structure that was not prepared: the server says what to run and exits 2.
-    other = other_weights(tmp_path / "other")
+    # A package of the same structure that was not prepared: a load request gets a 400 naming what
+    # to run, and the serving version stays ...
+    repo = tmp_path / "repository"
+    shutil.copytree(package, repo / "d")
+    other = other_weights(repo / "other")
+    port = free_port()
+    with open(tmp_path / "repository.log", "w") as out:
+        proc = subprocess.Popen(read_only(cache_dir, [*SOFTMOE, "serve", "--model-repository", str(repo),
+                                                      "--model-control-mode", "explicit", "--load-model", "d",
+                                                      "--cache-dir", str(cache_dir), "--threads", "2",
+                                                      "--port", str(port)]),
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until(f"{url}/v2/health/ready", 120, lambda: proc.poll() is None)
+        r = httpx.post(f"{url}/v2/repository/models/other/load", timeout=120)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]  # the Open Inference Protocol's error body
+        assert "cannot be written (Read-only file system)" in message, message
+        assert f"softmoe prepare --model {other} --cache-dir {cache_dir}" in message, message
+        r = httpx.post(f"{url}/v1/classify", files=[("images", ("0.png", golden_pngs()[0], "image/png"))],
+                       data={"model": "d"}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        stop_process(proc)
+
+    # ... and at start the server says what to run and exits 2.
     refused = subprocess.run(read_only(cache_dir, [*SOFTMOE, "serve", "--model", f"d={other}", "--cache-dir",
                                                    str(cache_dir), "--port", str(free_port())]),
                              capture_output=True, text=True, env=env, timeout=300)

@@ -1,27 +1,28 @@
 """Open Inference Protocol v2 over HTTP (KServe / Triton REST), with Triton's binary tensor
-extension: the routes; the protocol itself (tensors, checks, compute) is server.api.oip."""
+extension: the routes. They move bytes: an inference's tensors are decoded and encoded by
+server.api.oip_codec, and run by server.api.oip."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import TypeVar
 
-import numpy as np
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from softmoe_models import __version__
 
-from server.api.oip import BINARY_HEADER, EXTENSIONS, classification, compute, flag, parse_body, served_model, tensors_in, tensors_of
-from server.api.schemas import (Health, ModelReadiness, OIPError, OIPInferRequest, OIPInferResponse, OIPModelMetadata,
+from server.api import oip
+from server.api.oip import EXTENSIONS, ready_model, served_model, tensors_of
+from server.api.oip_codec import BINARY_HEADER, HttpWire
+from server.api.schemas import (Health, ModelReadiness, OIPError, OIPInferResponse, OIPModelMetadata,
                                 OIPServerMetadata, RepositoryEntry, RepositoryIndexRequest, RepositoryLoadRequest,
                                 RepositoryUnloadRequest, validation_error)
-from server.api.service import Timings, is_ready
+from server.api.service import is_ready
 from server.engine.models import batching_parameters
-from server.errors import BadRequest, ModelLoadError, Unavailable
+from server.errors import BadRequest, ModelLoadError
 from server.http.routes.inputs import read_body
 from server.pipeline.body import loads
 
@@ -128,47 +129,10 @@ def _load(control, name: str, unload_first: bool) -> None:
                  "schema": {"$ref": "#/components/schemas/OIPInferRequest"}}}}})
 @router.post("/v2/models/{model_name}/versions/{version}/infer", include_in_schema=False)
 async def infer(request: Request, model_name: str, version: str | None = None):
-    t0 = time.perf_counter()
-    model = _model(request, model_name, version)
-    if not model.ready:
-        raise Unavailable(f"model {model.name!r} is not ready", retry_after_s=2)
-    svc = request.app.state.service
-    raw = await read_body(request)
-
-    def parse() -> tuple[OIPInferRequest, list[tuple[str, str, np.ndarray]]]:
-        req, binary = parse_body(raw, request.headers.get(BINARY_HEADER))
-        return req, tensors_in(model, req, binary, svc.settings)
-
-    req, tensors = await asyncio.to_thread(parse)
-    timings = Timings()
-    outputs, classes = await compute(svc, model, req, tensors, timings, request.receive)
-    svc.finish(model, "oip_infer", timings, time.perf_counter(), t0)
-    binary_all = flag(req.parameters, "binary_data_output", "request")
-    binary_names = {o.name for o in (req.outputs or []) if flag(o.parameters, "binary_data", "outputs", binary_all)}
-    if not req.outputs and binary_all:
-        binary_names = set(outputs)
-    body = {"model_name": model.name, "model_version": "1", "outputs": []}
-    if req.id is not None:
-        body["id"] = req.id
-    chunks = []
-    for name, arr in outputs.items():
-        if classes.get(name):
-            tensor, data = classification(arr, classes[name], model.labels, name in binary_names)
-            tensor["name"] = name
-        else:
-            tensor = {"name": name, "datatype": "FP32", "shape": list(arr.shape)}
-            data = arr.astype("<f4").tobytes() if name in binary_names else None
-            if data is None:
-                tensor["data"] = arr.reshape(-1).tolist()
-        if data is not None:
-            tensor["parameters"] = {"binary_data_size": len(data)}
-            chunks.append(data)
-        body["outputs"].append(tensor)
-    headers = {**timings.headers(), "x-model": model.name}
-    if chunks:
-        head = json.dumps(body).encode()
-        headers["Inference-Header-Content-Length"] = str(len(head))
-        return Response(head + b"".join(chunks), media_type="application/octet-stream", headers=headers)
-    return JSONResponse(body, headers=headers)
-
-
+    started = time.perf_counter()
+    state = request.app.state
+    model = ready_model(state.models, model_name, version, state.control)
+    wire = HttpWire(await read_body(request), request.headers.get(BINARY_HEADER))
+    reply, timings = await oip.infer(state.service, model, wire, request.receive, started)
+    return Response(reply.body, media_type=reply.media_type,
+                    headers={**reply.headers, **timings.headers(), "x-model": model.name})
