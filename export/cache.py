@@ -6,11 +6,11 @@ inputs, so any change of input is a different entry, never an overwrite. Layout 
 
     ROOT/<key>/              a published entry: the builder's files + manifest.json (written last,
                              every file's name, size and BLAKE3 digest, and its own sha256)
-    ROOT/<key>.lock          flock'ed while the entry is checked, built or replaced
+    ROOT/<key>.lock          flock'ed while the entry is built, replaced or removed
     ROOT/.tmp-<key>-XXXXXX/  a build in progress (removed on failure; stale ones removed under the lock)
     ROOT/.bad-<key>-XXXXXX/  a corrupt entry moved aside, then deleted
 
-``build`` looks up first (read-only, no lock), and on a miss takes an exclusive ``fcntl.flock`` on
+``build`` looks up first (without the build lock), and on a miss takes an exclusive ``fcntl.flock`` on
 the key's lock file, looks up again (another replica may have just published it), moves a corrupt
 entry aside, lets ``builder(tmpdir)`` write and verify its files in a temp dir in the same parent,
 writes the manifest (every file's name, size, sha256), fsyncs, and publishes by ``os.rename`` of
@@ -22,17 +22,25 @@ packages' in a key) is BLAKE3 on every core, about as fast as reading the bytes 
 cache, where sha256 takes several times that on one core (docs/benchmarks.md, Ready in seconds);
 a cold disk read it does is one that ONNX Runtime's or TensorRT's load then finds in the page
 cache. ``file_sha256`` stays for digests users compare with ``sha256sum`` (the jobs' outputs).
+
+The cache is bounded (``export.cache_space``): before and after the builder writes an entry, the
+least recently used entries nothing holds are removed to keep the cache under its cap and the
+volume above its floor, and an entry that cannot fit under the cap is not published
+(``CacheFull``, naming the bytes it needed and the bytes free). A loaded model holds its entry
+(``hold``) for as long as it serves it, so no process sharing the volume removes it; a lookup
+holds the entry while it reads it; and each lookup or build that returns an entry records its
+use (the directory's mtime: once per load or start, never per batch).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import contextvars
+import errno
 import hashlib
 import json
 import os
 import platform
-import re
 import secrets
 import shutil
 import tempfile
@@ -45,15 +53,18 @@ from typing import Any
 
 import blake3
 
+from . import cache_space as space
 from .errors import ExportError
 from .phases import phase
 from .runtime import at_low_priority
 
-MANIFEST = "manifest.json"
+MANIFEST = space.MANIFEST
 MANIFEST_FORMAT = "softmoe-cache/2"  # 2: BLAKE3 file digests
 CHUNK = 1 << 20
-_KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.]*")  # a plain file name without "-" (temp dir names split on it)
+_KEY = space.KEY
 Builder = Callable[[Path], Any]
+# The model and package a load is for (``made_by``), written into the manifests of the entries it builds.
+_ORIGIN: contextvars.ContextVar[dict[str, str] | None] = contextvars.ContextVar("softmoe_cache_origin", default=None)
 
 
 class CacheError(ExportError):
@@ -62,6 +73,10 @@ class CacheError(ExportError):
 
 class ReadOnlyCache(CacheError):
     """An entry is missing or unusable, and the cache cannot be written to build it (a read-only volume)."""
+
+
+class CacheFull(CacheError):
+    """An entry does not fit under the cache's cap, or on its volume, once every unused entry is removed."""
 
 
 @dataclass(frozen=True)
@@ -212,13 +227,62 @@ def cuda_identity() -> str:
 def lookup(root: str | Path, key: str, log=print) -> Entry | None:
     """The entry of ``key`` under ``root`` if it is complete and every file matches its hash.
 
-    Read-only and lock-free: a missing, partial or corrupt entry is logged and answered with
-    None; ``build`` replaces it.
+    Lock-free against builders (it holds the entry's use lock while it reads, so no removal takes
+    the entry from under it) and read-only but for the entry's last use: a missing, partial or
+    corrupt entry is logged and answered with None; ``build`` replaces it.
     """
     entry, reason = _check(Path(root) / key, key)
     if reason:
         log(f"cache entry {Path(root) / key} is not usable ({reason})")
+    if entry is not None:
+        space.touch(entry.path)
     return entry
+
+
+@contextlib.contextmanager
+def made_by(model: str, package: str | Path) -> Iterator[None]:
+    """Entries built inside the block record ``model`` and ``package`` in their manifest's
+    ``origin`` (what ``softmoe cache`` lists): the engine says it around a load."""
+    token = _ORIGIN.set({"model": model, "package": str(package)})
+    try:
+        yield
+    finally:
+        _ORIGIN.reset(token)
+
+
+class Hold:
+    """A loaded model's claim on a cache entry: a shared flock on its manifest, kept until
+    ``release`` (or this object's end, or the process's), under which no process removes the entry."""
+
+    def __init__(self, entry: str | Path) -> None:
+        self.path = Path(entry)
+        self._file = space.lock_shared(self.path)
+        if self._file is None:
+            raise CacheError(f"cache entry {self.path} was removed before it could be held")
+        space.touch(self.path)
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def hold(files: list[Path]) -> list[Hold]:
+    """A ``Hold`` on each cache entry that one of ``files`` lies in (files outside the cache: none).
+
+    Raises:
+        CacheError: an entry was removed meanwhile (the files are gone).
+    """
+    held: list[Hold] = []
+    for entry in dict.fromkeys(Path(f).parent for f in files):
+        if _KEY.fullmatch(entry.name) and (entry / MANIFEST).is_file():
+            try:
+                held.append(Hold(entry))
+            except CacheError:
+                for h in held:
+                    h.release()
+                raise
+    return held
 
 
 def build(root: str | Path, key: str, builder: Builder, *, inputs: dict[str, Any] | None = None, log=print) -> Entry:
@@ -235,56 +299,126 @@ def build(root: str | Path, key: str, builder: Builder, *, inputs: dict[str, Any
 
     Raises:
         CacheError: the builder wrote something that is not a regular file, or used the
-            manifest's name. Whatever the builder raises is raised unchanged; in every failure
-            the temp dir is removed and nothing is published.
+            manifest's name. CacheFull: the entry does not fit under the cache's cap, or on its
+            volume, once every unused entry is removed. Whatever the builder raises is raised
+            unchanged; in every failure the temp dir is removed and nothing is published.
     """
     root = Path(root)
     if not _KEY.fullmatch(key):
         raise CacheError(f"cache key {key!r} is not a plain file name")
     found, reason = _check(root / key, key)  # the locked pass below reports the reason
     if found is not None:
+        space.touch(found.path)
+        space.report(space.usage(space.home_of(root), root))
         return found
     try:
         root.mkdir(parents=True, exist_ok=True)
-        lock = os.open(root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        lock = space.lock_exclusive(root / f"{key}.lock", wait=lambda: log(f"waiting for another process building "
+                                                                             f"{root / key}"))
     except OSError as e:
         raise ReadOnlyCache(f"the cache at {root} cannot be written ({e.strerror}) and its entry {key} is "
                             f"{reason or 'missing'}") from None
-    with _locked(lock, root / key, log):
+    try:
         _remove_stale(root, key, log)
         final = root / key
         found, reason = _check(final, key)
         if found is not None:  # another process published it while we waited
+            space.touch(found.path)
             return found
         if final.exists():
             log(f"cache entry {final} is not usable ({reason}); rebuilding it")
             _discard(final, root, key)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
-        try:
-            tmp.chmod(0o755)  # mkdtemp's 0700 would hide the entry from replicas running as another user
-            meta = builder(tmp)
-            manifest = _write_manifest(tmp, key, inputs, meta)
-            _fsync_dir(tmp)
-            os.rename(tmp, final)  # atomic: the whole entry appears at once
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        _fsync_dir(root)  # the rename itself survives a power cut
+        manifest = _publish(root, key, builder, inputs, log)
+    finally:
+        os.close(lock)  # closing the descriptor releases the lock
     files = {name: final / name for name in manifest["files"]}
     return Entry(final, files, json.loads(json.dumps(manifest["meta"])), built=True)  # as a later lookup reads it
 
 
+def _publish(root: Path, key: str, builder: Builder, inputs: dict[str, Any] | None, log) -> dict[str, Any]:
+    """Room made, ``builder`` run in a temp dir, the entry's room checked, the manifest written and
+    the entry published by one rename (under the key's lock); the manifest. A builder that ran out
+    of space runs once more after every unused entry is removed."""
+    home = space.home_of(root)
+    space.report(space.make_room(home, root, _expected_bytes(root), log=log))
+    for attempt in (1, 2):
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key}-", dir=root))
+        try:
+            tmp.chmod(0o755)  # mkdtemp's 0700 would hide the entry from replicas running as another user
+            try:
+                meta = builder(tmp)
+            except (OSError, ExportError) as e:
+                if not _out_of_space(e):
+                    raise
+                written = space.dir_bytes(tmp)
+                shutil.rmtree(tmp, ignore_errors=True)
+                after = space.make_room(home, root, 1 << 62, log=log)  # every unused entry
+                space.report(after)
+                if attempt == 2 or not after.evicted:
+                    raise CacheFull(_no_room(home, key, written, after, ran_out=True)) from None
+                log(f"cache: {key} ran out of space after {written:,} bytes; trying again")
+                continue
+            size = space.dir_bytes(tmp)
+            after = space.make_room(home, root, 0, log=log)
+            if after.total > after.limit.cap:
+                space.report(after)
+                raise CacheFull(_no_room(home, key, size, after, ran_out=False))
+            manifest = _write_manifest(tmp, key, inputs, meta)
+            _fsync_dir(tmp)
+            os.rename(tmp, root / key)  # atomic: the whole entry appears at once
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(root)  # the rename itself survives a power cut
+        space.touch(root / key)
+        published = space.usage(home, root)
+        published.evicted = after.evicted
+        space.report(published)
+        return manifest
+    raise AssertionError("unreachable")
+
+
+def _expected_bytes(root: Path) -> int:
+    """What the next entry of ``root`` will likely take: its largest entry's bytes (0: none yet)."""
+    return max((item.bytes for item in space.items(space.home_of(root), root) if item.path.parent == root), default=0)
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """An ENOSPC or EDQUOT, raised here or in an export child (whose message carries it)."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return any(os.strerror(n) in str(e) for n in (errno.ENOSPC, errno.EDQUOT))
+
+
+def _no_room(home: Path, key: str, needed: int, found: space.Usage, ran_out: bool) -> str:
+    """The message of a ``CacheFull``: the bytes the entry needed and the bytes free."""
+    room = max(0, found.limit.cap - (found.total - (0 if ran_out else needed)))
+    what = f"at least {needed:,} bytes (the volume ran out)" if ran_out else f"{needed:,} bytes"
+    return (f"no room in the cache at {home} for entry {key}: it needs {what}; {room:,} bytes are free under "
+            f"the cache's cap of {found.limit.cap:,} once every unused entry is removed ({found.total:,} bytes "
+            f"held by entries in use or being built), and {found.free:,} bytes are free on the volume; raise "
+            f"--cache-max-size ({space.ENV}) or free the volume")
+
+
 def _check(path: Path, key: str) -> tuple[Entry | None, str | None]:
-    """(entry, None) when ``path`` is a complete entry whose files all match; else (None, why)."""
+    """(entry, None) when ``path`` is a complete entry whose files all match; else (None, why).
+    Its use lock is held while it is read."""
     if not path.exists():
         return None, None
-    manifest_file = path / MANIFEST
-    try:
-        manifest = json.loads(manifest_file.read_bytes())
-    except FileNotFoundError:
-        return None, "no manifest: partial entry"
-    except (OSError, ValueError) as e:
-        return None, f"unreadable manifest: {e}"
+    reading = space.lock_shared(path)
+    if reading is None:
+        if not path.exists():
+            return None, None  # removed while we waited
+        return None, "unreadable manifest" if (path / MANIFEST).exists() else "no manifest: partial entry"
+    with reading:
+        try:
+            manifest = json.loads(reading.read())
+        except (OSError, ValueError) as e:
+            return None, f"unreadable manifest: {e}"
+        return _check_files(path, key, manifest)
+
+
+def _check_files(path: Path, key: str, manifest: Any) -> tuple[Entry | None, str | None]:
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT or manifest.get("key") != key:
         return None, "manifest of another format or key"
     if manifest.get("sha256") != _manifest_sha(manifest):
@@ -332,6 +466,8 @@ def _write_manifest(tmp: Path, key: str, inputs: dict[str, Any] | None, meta: An
         raise CacheError(f"the builder wrote no files into {tmp}")
     manifest = {"format": MANIFEST_FORMAT, "key": key, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "inputs": inputs, "meta": meta, "files": files}
+    if _ORIGIN.get() is not None:  # the model and package a load built it for (made_by)
+        manifest["origin"] = _ORIGIN.get()
     manifest["sha256"] = _manifest_sha(manifest)  # the manifest is checked like the files it lists
     with open(tmp / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -358,34 +494,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def _locked(fd: int, entry: Path, log) -> Iterator[None]:
-    """An exclusive flock on the open lock file ``fd``; released when the block ends or the process dies."""
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another process building {entry}")
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
-def _try_lock(lock_file: Path) -> int | None:
-    """A descriptor holding ``lock_file``'s lock, or None if another process holds it."""
-    try:
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _remove_stale(root: Path, key: str, log) -> None:
     """Remove temp dirs of builds that died (SIGKILL, power loss) and half-deleted corrupt entries.
 
@@ -398,7 +506,10 @@ def _remove_stale(root: Path, key: str, log) -> None:
             continue  # not one of ours
         fd = None
         if other != key:
-            fd = _try_lock(root / f"{other}.lock")
+            try:
+                fd = space.lock_exclusive(root / f"{other}.lock")
+            except OSError:
+                fd = None
             if fd is None:
                 continue
         try:

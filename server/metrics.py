@@ -2,12 +2,14 @@
 
 Labels: model, stage, endpoint, status_class, reason; the routing statistics add layer (a Soft MoE
 block index) and expert (an expert index): bounded by the model's architecture, layers x experts
-series per model. Never a request id or a label text.
+series per model; the export cache's, kind (``CACHE_KINDS``). Never a request id or a label text.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector
+
+from export import cache_space
 
 STAGES = ("decode", "preprocess", "queue", "inference", "postprocess", "total")
 # Per-image latencies on CPU span ~1 ms (queue) to seconds (large models at batch 32).
@@ -33,6 +35,8 @@ ENTROPY_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99
 # Loads span a cached tiny model (well under a second) to a first export of a large one (minutes).
 LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 DOOR = "none"  # the model label of refusals made before the model is known
+# The export cache's kinds of entry (export.cache_space.KINDS), and builds under way.
+CACHE_KINDS = (*cache_space.KINDS.values(), "build")
 
 
 class Metrics:
@@ -51,6 +55,7 @@ class Metrics:
         self._define_routing(r)
         self._define_model_loads(r)
         self._define_tracing(r)
+        self._define_cache(r)
 
     def _define_latencies(self, r: CollectorRegistry) -> None:
         """Time per image (or text) in each stage, and per HTTP request."""
@@ -179,6 +184,39 @@ class Metrics:
         self.trace_export_failures = Counter(
             "softmoe_trace_export_failures_total", "Trace spans the OTLP exporter could not deliver (the collector "
             "refused them or could not be reached after the exporter's retries)", registry=r)
+
+    def _define_cache(self, r: CollectorRegistry) -> None:
+        """The export cache (export.cache_space): its bytes, its bound and the volume's free space,
+        as this process last measured them (at each load that reads or writes an entry, and each
+        removal pass), and the entries removed to stay within the bound."""
+        self.cache_bytes = Gauge(
+            "softmoe_cache_bytes", "Bytes of the export cache's entries, by kind (graph, structure, proofs, engine; "
+            "build: entries being written)", ["kind"], registry=r)
+        self.cache_max_bytes = Gauge(
+            "softmoe_cache_max_bytes", "The export cache's cap (--cache-max-size; default 80% of its volume)",
+            registry=r)
+        self.cache_free_bytes = Gauge(
+            "softmoe_cache_free_bytes", "Bytes free on the export cache's volume", registry=r)
+        self.cache_free_floor_bytes = Gauge(
+            "softmoe_cache_free_floor_bytes", "The free space the export cache keeps on its volume by removing unused "
+            "entries (10% of the volume, or what the cap leaves)", registry=r)
+        self.cache_evictions = Counter(
+            "softmoe_cache_evictions_total", "Export cache entries removed to stay within the bound (least recently "
+            "used first, never one a loaded model uses), by kind", ["kind"], registry=r)
+        for kind in cache_space.KINDS.values():
+            self.cache_evictions.labels(kind)
+        cache_space.watch(self.cache_seen)  # held weakly: it goes with this registry
+
+    def cache_seen(self, usage: cache_space.Usage) -> None:
+        """What the export cache measured (``cache_space.watch``): the gauges set, the removals counted."""
+        for kind in CACHE_KINDS:
+            self.cache_bytes.labels(kind).set(usage.bytes.get(kind, 0))
+        self.cache_max_bytes.set(usage.limit.cap)
+        self.cache_free_bytes.set(usage.free)
+        self.cache_free_floor_bytes.set(usage.limit.floor)
+        for kind, n in usage.evicted.items():
+            if kind in cache_space.KINDS.values():  # a root of another name (a test's) is not the server's cache
+                self.cache_evictions.labels(kind).inc(n)
 
     def init_model(self, model: str, functions: list[str] | tuple[str, ...] = ()) -> None:
         """Create every labelled series of ``model`` at 0 (counters) or empty (histograms)."""

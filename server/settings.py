@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from export.cache_space import parse_size
 from softmoe_models.config import Precision
 
 
@@ -174,6 +175,11 @@ class Settings(BaseSettings):
     )
     label_cache_size: int = Field(4096, ge=0, description="zero-shot label embeddings kept (LRU)")
     cache_dir: str = Field("", description="where exported ONNX files are cached (default: ~/.cache/softmoe-serve)")
+    cache_max_size: str = Field(
+        "", description="the most the cache's entries may take: a size (20G, 512Mi, bytes) or a share of its volume "
+        "(50%); the least recently used entries no loaded model uses are removed to stay under it. Default: 80% of "
+        "the volume, keeping 10% of it free (export/cache_space.py says why); 100%: no bound",
+    )
     drain_seconds: float = Field(2.0, ge=0, description="after SIGTERM: not-ready time before closing")
     warmup: bool = Field(True, description="run every batch shape once before reporting ready")
     cuda_graphs: bool = Field(
@@ -272,6 +278,12 @@ class Settings(BaseSettings):
             wide = self.wide_lone_batches and self.device == "cpu" and self.backend == "onnxruntime"
             self.concurrent_batches = 2 if wide and threads >= 2 else 1
         return self
+
+    @field_validator("cache_max_size")
+    @classmethod
+    def _cache_size(cls, value: str) -> str:
+        parse_size(value)  # ValueError: one line naming the forms it takes
+        return value
 
     @field_validator("models", "jpeg_draft", "load_model", mode="before")
     @classmethod

@@ -334,6 +334,9 @@ GAUGES = {
     "softmoe_queue_depth": "engine", "softmoe_queue_capacity": "engine", "softmoe_backend_info": "engine",
     "softmoe_worker_alive": "min_all", "softmoe_model_ready": "min_all", "softmoe_server_ready": "min",
     "softmoe_requests_in_flight": "sum", "softmoe_requests_in_flight_bytes": "sum", "softmoe_connections_open": "sum",
+    # the export cache, as the engine process (which reads and writes it) last measured it
+    "softmoe_cache_bytes": "engine", "softmoe_cache_max_bytes": "engine", "softmoe_cache_free_bytes": "engine",
+    "softmoe_cache_free_floor_bytes": "engine",
 }
 
 
