@@ -20,6 +20,7 @@ def test_docs_quote_the_parsers_usage():
 
 def test_usage_names_every_subcommand_but_serve_and_prepare():
     text = usage()
-    for cmd in ("models", "convert", "init", "train-demo", "eval", "export onnx", "export tensorrt"):
+    for cmd in ("models", "convert", "init", "train-demo", "eval", "export onnx", "export tensorrt", "cache list",
+                "cache prune"):
         assert f"softmoe {cmd} [-h]" in text, cmd
     assert "softmoe serve" not in text and "softmoe prepare" not in text
