@@ -1,6 +1,7 @@
 """A model reloaded while it serves: failures, tail latency and memory (`make bench`'s swap section).
 
     python -m loadtests.swap_bench [--model soft-s16-e128] [--reloads 3] [--load 0.7] [--work DIR]
+                                   [--cache-loads 50] [--only swap|cache]
 
 The model is ``softmoe init VARIANT`` (random weights, made in ``--work``) or ``digits`` (the
 shipped package), the folder ``a`` of a model repository served by ``softmoe serve
@@ -20,6 +21,18 @@ server's processes is read before the load and after the unload. One JSON line:
   ``swap_rss_after_mb``;
 * the figures behind them: ``swap_sat_img_s``, ``swap_offered_rps``, ``swap_p99_steady_ms``,
   ``swap_p99_during_ms``, ``swap_reload_s`` (median seconds per reload call), ``swap_requests``.
+
+Then a bounded cache (issue 54, ``run_cache``; ``--cache-loads``): digits loaded again and again,
+each time with new weights (its head biases moved), while 8 clients classify in a closed loop,
+into a small cache: ``softmoe prepare`` measures one version's entry (its graphs) and everything
+else a start keeps (the structure, the proofs), and the server gets ``--cache-max-size`` of those
+plus two entries (the serving version, the next one and one spare). Keys:
+
+* ``cache_bytes_after_50_loads``: the cache's bytes after the loads over one entry's bytes (goal:
+  at most the cap's, ``cache_cap_over_entry``); ``cache_max_bytes_over_cap``: the most the cache
+  took after any load over the cap (goal <= 1);
+* ``cache_load_failures`` (goal 0), ``cache_client_errors`` (non-200 answers, goal 0),
+  ``cache_loads``, ``cache_client_requests``, ``cache_evictions`` (from /metrics).
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,9 +51,11 @@ from typing import Any
 import httpx
 import numpy as np
 
+from export import cache_space
+from loadtests.coldstart_bench import _clients, _prepare, other_weights
 from loadtests.harness import jpeg, jpeg_request, load, open_loop_while, pick
 from loadtests.memory_bench import package_for, rss_bytes
-from loadtests.run import ServerProcess, wait_ready
+from loadtests.run import ServerProcess, scrape, wait_ready
 
 
 def run(model: str = "soft-s16-e128", reloads: int = 3, fraction: float = 0.7, work: Path | None = None,
@@ -116,11 +132,64 @@ def run(model: str = "soft-s16-e128", reloads: int = 3, fraction: float = 0.7, w
             shutil.rmtree(work, ignore_errors=True)
 
 
+def run_cache(loads: int = 50, clients: int = 8, work: Path | None = None, log=print) -> dict[str, Any]:
+    """digits loaded ``loads`` times with new weights under ``clients`` into a small cache (above)."""
+    owned = work is None
+    work = Path(tempfile.mkdtemp(prefix="softmoe-cache-")) if work is None else work
+    server = None
+    try:
+        package = package_for("digits", work)
+        repo, store = work / "cache-repository", work / "bounded-cache"
+        for path in (repo, store):
+            shutil.rmtree(path, ignore_errors=True)
+        shutil.copytree(package, repo / "a")
+        _prepare(f"--model a={repo / 'a'} --cache-dir {store}", work / "cache-prepare.log")
+        entry = max(i.bytes for i in cache_space.items(store) if i.kind == "graph")
+        cap = cache_space.usage(store).total + 2 * entry
+        server = ServerProcess(f"--model-repository {repo} --model-control-mode explicit --load-model a "
+                               f"--cache-dir {store} --cache-max-size {cap} --log-level info", work / "cache-server.log")
+        wait_ready(server.url, 1800, server)
+        log(f"cache (digits): {loads} loads of new weights under {clients} clients into a cache of {cap:,} bytes "
+            f"(one version's graphs: {entry:,} bytes)")
+        stop, statuses, failures, most = threading.Event(), [], [], 0
+        size = httpx.get(f"{server.url}/v2/models/a", timeout=30).json()["inputs"][0]["shape"][-1]
+        threads = _clients(server.url, jpeg(size, size, seed=0), clients, stop, statuses)
+        try:
+            for i in range(loads):
+                shutil.copy(other_weights("digits", package, work / "cache-weights", i + 1) / "model.safetensors",
+                            repo / "a" / "model.safetensors")
+                r = httpx.post(f"{server.url}/v2/repository/models/a/load", timeout=1800)
+                if r.status_code != 200:
+                    failures.append(f"load {i}: {r.status_code} {r.text[:300]}")
+                most = max(most, cache_space.usage(store).total)
+                shutil.rmtree(work / "cache-weights", ignore_errors=True)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=300)
+        after = cache_space.usage(store).total
+        evictions = sum(v for (name, _), v in scrape(server.url)[0].items() if name == "softmoe_cache_evictions_total")
+        bad = sum(1 for s in statuses if s != 200)
+        log(f"  after {loads} loads: {after:,} bytes ({after / entry:.1f} entries' worth; cap {cap / entry:.1f}), "
+            f"at most {most / cap:.2f} of the cap; {evictions:.0f} entries removed; load failures {len(failures)}, "
+            f"client errors {bad} of {len(statuses)}" + (f": {failures[0]}" if failures else ""))
+        return {"cache_bytes_after_50_loads": round(after / entry, 2), "cache_cap_over_entry": round(cap / entry, 2),
+                "cache_max_bytes_over_cap": round(most / cap, 3), "cache_load_failures": len(failures),
+                "cache_client_errors": bad, "cache_loads": loads, "cache_client_requests": len(statuses),
+                "cache_evictions": int(evictions)}
+    finally:
+        if server is not None:
+            server.stop()
+        if owned:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def section(mode: str, workdir: Path) -> dict[str, Any]:
-    """`make bench`'s swap section: soft-s16-e128 (the serving section's package), or digits in --smoke."""
+    """`make bench`'s swap section: soft-s16-e128 (the serving section's package), or digits in --smoke;
+    then the bounded cache (digits, 50 loads; 3 in --smoke)."""
     print()
     model, reloads = {"full": ("soft-s16-e128", 3), "quick": ("soft-s16-e128", 2), "smoke": ("digits", 1)}[mode]
-    return run(model, reloads, 0.7, workdir, mode)
+    return {**run(model, reloads, 0.7, workdir, mode), **run_cache(pick(mode, 50, 20, 3), 8, workdir)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,9 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reloads", type=int, default=3)
     parser.add_argument("--load", type=float, default=0.7, help="the offered load, a fraction of saturation")
     parser.add_argument("--work", type=Path, default=None, help="where the package is made (default: a temp dir)")
+    parser.add_argument("--cache-loads", type=int, default=50, help="loads of new digits weights into a small cache")
+    parser.add_argument("--only", choices=["swap", "cache"], default=None, help="one part only")
     args = parser.parse_args(argv)
-    result = run(args.model, args.reloads, args.load, args.work, "full",
-                 log=lambda m: print(m, file=sys.stderr, flush=True))
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    result = {} if args.only == "cache" else run(args.model, args.reloads, args.load, args.work, "full", log=say)
+    if args.only != "swap":
+        result.update(run_cache(args.cache_loads, 8, args.work, log=say))
     result["command"] = "python -m loadtests.swap_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     print(json.dumps(result))
     return 0

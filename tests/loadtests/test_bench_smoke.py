@@ -66,6 +66,9 @@ KEYS = (
     "embed_over_raw", "embed_img_per_s", "embed_raw_img_per_s",
     # a model reloaded while it serves: failures, p99 during over steady, memory after an unload
     "swap_failures", "swap_p99_over_steady", "swap_rss_growth_over_weights", "swap_sat_img_s", "swap_reload_s",
+    # then new weights loaded again and again under 8 clients into a small cache: its bytes over one entry's
+    "cache_bytes_after_50_loads", "cache_cap_over_entry", "cache_max_bytes_over_cap", "cache_load_failures",
+    "cache_client_errors",
     # --otlp-endpoint at 10% sampling vs off, side by side
     "tracing_overhead", "tracing_c1_p50_ratio", "tracing_img_per_s_on", "tracing_img_per_s_off",
     # time to ready: nothing cached, prepared ahead, other weights loaded idle and under clients; disk
@@ -144,3 +147,10 @@ def test_spinning_section_compares_the_bits_of_both_policies(smoke):
 def test_grpc_section_compares_the_bits_of_every_transport(smoke):
     _, result = smoke
     assert result["grpc_outputs_bitwise_equal"] is True
+
+
+def test_the_bounded_cache_takes_every_load_and_stays_under_its_cap(smoke):
+    _, result = smoke
+    assert result["cache_load_failures"] == 0 and result["cache_client_errors"] == 0
+    assert result["cache_max_bytes_over_cap"] <= 1.0
+    assert result["cache_bytes_after_50_loads"] <= result["cache_cap_over_entry"]
