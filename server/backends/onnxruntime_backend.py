@@ -274,6 +274,8 @@ class OnnxRuntimeBackend:
             raise ValueError(f"unknown device {device!r}: use cpu or cuda")
         if device == "cuda":
             cuda.ort_cuda_preflight(ort)
+        # The cache entries of the graphs, held while this backend serves them: no process removes them.
+        self._held = cache.hold([Path(f) for f in files])
         self.device, self.max_batch_size = device, max_batch_size
         self.spin = spin if device == "cpu" else None
         self.cuda_graph = cuda_graph and device == "cuda"
@@ -400,6 +402,8 @@ class OnnxRuntimeBackend:
     def close(self) -> None:
         self._graph_runners.clear()
         self.sessions.clear()
+        for held in self._held:  # the entries may now be removed to make room
+            held.release()
 
 
 def routing_sibling(path: Path) -> Path | None:

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from export import cache_space
 from export.phases import Phases, recording
 from server.batching.batcher import Batcher
 from server.engine.models import ServedModel, attach_queues, load_served_model
@@ -82,6 +83,7 @@ class Engine:
             say: where each model's one-line description goes (the log by default).
         """
         self.settings, self.metrics = settings, metrics
+        cache_space.set_limit(settings.cache_max_size)  # the bound of every cache entry this process writes
         self.mirror = batcher is not None
         self.batcher = batcher if batcher is not None else Batcher(settings.device, metrics,
                                                                   workers=settings.concurrent_batches)

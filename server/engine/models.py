@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from safetensors import safe_open
 
+from export import cache
 from export.onnx import read_metadata
 from export.phases import Phases, current, phase, recording
 from softmoe_models import routing as routing_lib
@@ -220,7 +221,9 @@ def load_served_model(spec: str, settings: Settings, log=print, background: bool
     on CPU: ``export.runtime.BackgroundBuiltSession``). Its phases (hash, export or bind, session)
     are counted in ``ServedModel.phases``. ``--jpeg-draft`` applies to it here (``jpeg_draft``)."""
     started = time.perf_counter()
-    with recording(current() or Phases()) as record:  # the load's own record, if the engine opened one
+    name, path = parse_spec(spec)  # the cache entries the load builds name the model and package (softmoe cache)
+    # the load's own record, if the engine opened one
+    with recording(current() or Phases()) as record, cache.made_by(name or path.name, path.absolute()):
         model = _load_served_model(spec, settings, log, background)
     model.opened_s, model.phases = time.perf_counter() - started, record
     try:

@@ -87,7 +87,7 @@ def keep(model: ServedModel, settings: Settings, findings: dict[str, Any], say=l
 
     def write(tmp: Path) -> dict[str, str]:
         (tmp / FILE).write_text(json.dumps(findings, indent=1, sort_keys=True) + "\n")
-        return {"model": model.name}
+        return {"model": model.name, "package": model.source}  # what `softmoe cache` lists
 
     try:
         return cache.build(root(settings), cache.cache_key(wanted), write, inputs=wanted, log=say).path
