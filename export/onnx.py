@@ -38,13 +38,12 @@ import torch
 from torch.export import Dim
 
 from softmoe_models.config import Precision
-from softmoe_models.convert.readers import sha256_of
 from softmoe_models.package import Package, load_model, read_package
 from softmoe_models.soft_moe import configure_routing
 from softmoe_models.sparse_moe import configure_sparse_routing, sparse_moe_layers
 
 from .errors import ExportError
-from . import binding, sparse_verify
+from . import binding, cache, sparse_verify
 from .graphs import Graph, example_inputs, graphs_for
 from .op_support import replace_node, sparse_ops_for_tensorrt
 from .runtime import ort_session
@@ -123,7 +122,7 @@ class ExportedFile:
     verification: list[Verification] = field(default_factory=list)
 
 
-def graph_metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph, weights_sha: str,
+def graph_metadata(pkg: Package, role: str, precision: str, experts: str, graph: Graph, digest: str,
               model=None, sparse_dispatch: str | None = None) -> dict[str, str]:
     meta = {
         "format": "softmoe-onnx/1",
@@ -136,7 +135,7 @@ def graph_metadata(pkg: Package, role: str, precision: str, experts: str, graph:
         "outputs": json.dumps(graph.outputs),
         "package_config": json.dumps(pkg.meta, sort_keys=True),
         "preprocess": json.dumps(pkg.meta.get("preprocess")),
-        "weights_sha256": weights_sha,
+        "weights_blake3": digest,  # the package digest the export cache keys the graph by
     }
     if sparse_dispatch is not None:  # sparse V-MoE graphs only
         meta["sparse_dispatch"] = sparse_dispatch
@@ -154,8 +153,11 @@ def graph_metadata(pkg: Package, role: str, precision: str, experts: str, graph:
     return {METADATA_PREFIX + k: v for k, v in meta.items()}
 
 
-def _weights_sha(pkg: Package) -> str:
-    return sha256_of([pkg.path / "model.safetensors"])
+def weights_digest(pkg: Package, known: str | None = None) -> str:
+    """The BLAKE3 digest of the package's ``model.safetensors`` (``export.cache.file_digest``, the
+    one a cache key holds as the package's): ``known`` where the caller has just computed it for
+    that key, since hashing gigabytes again would be most of a binding's time."""
+    return known or cache.file_digest(pkg.path / "model.safetensors")
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -553,6 +555,7 @@ def export_onnx(
     sparse_dispatch: SparseDispatch = "fused",
     structure_out: str | Path | None = None,
     bound_out: str | Path | None = None,
+    known_digest: str | None = None,
     log=print,
 ) -> list[ExportedFile]:
     """Export ``package`` to ONNX and verify it; returns what was written.
@@ -579,6 +582,7 @@ def export_onnx(
             for ``bind_onnx`` to bind other packages' weights into.
         bound_out: with ``structure_out``, also write the graphs bound to the package's own weights
             file there (``write_structure_entry``), where the structure is bindable.
+        known_digest: the weights file's ``cache.file_digest`` where the caller has it (``weights_digest``).
         log: where progress lines go.
 
     Raises:
@@ -589,7 +593,7 @@ def export_onnx(
     pkg, model, reference_graphs, export_model, graphs, paths = prep
     sparse = bool(sparse_moe_layers(model))
     providers = _verify_providers(precision)
-    weights_sha = _weights_sha(pkg)  # once: the weights file can be gigabytes
+    digest = weights_digest(pkg, known_digest)  # once: the weights file can be gigabytes
     vocab = getattr(getattr(model.cfg, "text", None), "vocab_size", 2)
     batches = verify_batches if dynamic_batch else (2,)
 
@@ -597,7 +601,7 @@ def export_onnx(
     for role, graph in graphs.items():
         path = paths[role]
         t0 = time.perf_counter()
-        meta = graph_metadata(pkg, role, precision, experts, graph, weights_sha, model, sparse_dispatch if sparse else None)
+        meta = graph_metadata(pkg, role, precision, experts, graph, digest, model, sparse_dispatch if sparse else None)
         data = export_one(graph, path, opset, dynamic_batch, meta, external_data, sparse)
         ops = op_inventory(path)
         if "Einsum" in ops and sparse_dispatch != "einsum":
@@ -718,13 +722,15 @@ def derived_name(graph: Path) -> str:
 def bind_onnx(package: str | Path, structure: Path, out: str | Path, *, opset: int = DEFAULT_OPSET,
               dynamic_batch: bool = True, precision: Precision = "fp32", experts: ExpertsForm = "per-expert",
               towers: Literal["both", "combined", "split"] = "split", verify_batches: tuple[int, ...] = (1, 4),
-              routing: bool = False, sparse_dispatch: SparseDispatch = "fused", log=print) -> list[ExportedFile]:
+              routing: bool = False, sparse_dispatch: SparseDispatch = "fused", known_digest: str | None = None,
+              log=print) -> list[ExportedFile]:
     """``export_onnx``'s graphs for ``package`` without exporting: its weights bound into the
     structure another package of the same structure was exported to (``structure``: a directory
     ``write_structure_entry`` wrote), then verified against PyTorch on these weights as an
     export is (same batches, same tolerances, sparse graphs among other batch-mates). The graphs
     read most initializers from the package's ``model.safetensors`` (``export.weights_file``): a
     session of them is given that file; the rest are in ``M.derived.data`` beside them.
+    ``known_digest``: the weights file's ``cache.file_digest`` where the caller has it.
 
     Raises:
         ExportError: the structure cannot be bound (its recipe says why, or a graph of another
@@ -741,14 +747,14 @@ def bind_onnx(package: str | Path, structure: Path, out: str | Path, *, opset: i
     if set(by_role) != set(graphs):
         raise ExportError(f"the structure holds graphs {sorted(by_role)}, this export needs {sorted(graphs)}")
     tensors = binding.model_tensors(export_model)
-    weights_sha = _weights_sha(pkg)
+    digest = weights_digest(pkg, known_digest)
     weights = pkg.path / "model.safetensors"
     vocab = getattr(getattr(model.cfg, "text", None), "vocab_size", 2)
     batches = verify_batches if dynamic_batch else (2,)
     binder = binding.Binder(weights, next(iter(paths.values())).with_name(derived_name(next(iter(paths.values())))))
     try:
         for role, graph in graphs.items():
-            meta = graph_metadata(pkg, role, precision, experts, graph, weights_sha, model,
+            meta = graph_metadata(pkg, role, precision, experts, graph, digest, model,
                                   sparse_dispatch if sparse else None)
             binder.bind(Path(structure) / by_role[role][0], by_role[role][1]["steps"], tensors, paths[role], meta)
     finally:

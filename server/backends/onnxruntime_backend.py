@@ -102,10 +102,11 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     experts = "batched" if device == "cuda" else "per-expert"
     settings = dict(opset=exporter.DEFAULT_OPSET, precision=precision, experts=experts, towers="split",
                     dynamic_batch=True, verify_batches=(1, 4), routing=routing)
+    digests = cache.package_digests(package)
     inputs = {
         "artifact": "onnx",
         "graph_format": GRAPH_FORMAT,
-        "package": cache.package_digests(package),
+        "package": digests,
         "exporter": cache.versions("softmoe-serve", "torch", "onnxscript", "onnx-ir", "onnx"),
         "runtime": {"name": "onnxruntime", "version": onnxruntime.__version__},
         # export_onnx verifies bf16 graphs on the CUDA provider, everything else on the CPU
@@ -118,6 +119,9 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     structure_inputs = {**inputs, "artifact": "onnx-structure", "package": cache.package_structure(package)}
     structure_root, structure_key = cache_root(cache_dir) / "onnx-structure", cache.cache_key(structure_inputs)
 
+    # The weights' digest, just computed for the key, is the one the graphs' metadata carries.
+    known = {**settings, "known_digest": digests["model.safetensors"]}
+
     def build(tmp: Path) -> list[str]:
         child = _weight_bytes(package) >= EXPORT_IN_CHILD_BYTES
         found = cache.lookup(structure_root, structure_key, log=log)
@@ -126,11 +130,11 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
             log(f"binding {package}'s weights into {found.path} (graphs of the same structure) and verifying them")
             try:
                 with phase("bind"):
-                    names = _in_child("bind", package, tmp / "model.onnx", settings, found.path) \
+                    names = _in_child("bind", package, tmp / "model.onnx", known, found.path) \
                         if _weight_bytes(package) >= BIND_IN_CHILD_BYTES else \
                         [f.path.name for f in exporter.bind_onnx(package, found.path, tmp / "model.onnx",
                                                                  log=logging.getLogger("softmoe.export").debug,
-                                                                 **settings)]
+                                                                 **known)]
                 log(f"bound and verified in {time.perf_counter() - started:.1f} s")
                 return names
             except ExportError as e:
@@ -145,11 +149,11 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
         scratch, staging = tmp / ".export", tmp / ".structure"  # the exported graphs, then their structure
         with phase("export"):
             if child:
-                names = _in_child("export", package, scratch / "model.onnx", settings, staging, bound=tmp)
+                names = _in_child("export", package, scratch / "model.onnx", known, staging, bound=tmp)
             else:
                 detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
                 files = exporter.export_onnx(package, scratch / "model.onnx", log=detail, structure_out=staging,
-                                             bound_out=tmp, **settings)  # raises unless verified
+                                             bound_out=tmp, **known)  # raises unless verified
                 names = [f.path.name for f in files]
         log(f"exported and verified in {time.perf_counter() - started:.1f} s")
         _publish_structure(structure_root, structure_key, staging, structure_inputs, log)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import export.onnx
 import server.backends.onnxruntime_backend as ob
-from export import binding
+from export import binding, cache
 from export.onnx import read_metadata
 from server.backends.onnxruntime_backend import OnnxRuntimeBackend, exported_files
 from server.backends.torch_backend import TorchBackend
@@ -80,8 +80,10 @@ def test_a_package_of_the_same_structure_is_bound_not_exported(monkeypatch, pack
                                   log=lambda *_: None)
     mine = _run([own[0].path], "classify", {"pixel_values": x})
     assert all(np.array_equal(got[k], mine[k]) for k in mine)  # bitwise: the same graph, the same weights
-    # its metadata is b's (the weights' sha256), not the structure's first package's
-    assert read_metadata(bound[0])["weights_sha256"] != read_metadata(first[0])["weights_sha256"]
+    # its metadata is b's (its weights' digest, the one its cache key holds), not the structure's first package's
+    assert read_metadata(bound[0])["weights_blake3"] == cache.file_digest(b / "model.safetensors")
+    assert read_metadata(first[0])["weights_blake3"] == cache.file_digest(a / "model.safetensors")
+    assert read_metadata(own[0].path)["weights_blake3"] == cache.file_digest(b / "model.safetensors")  # computed there
 
 
 def test_the_structure_keeps_no_weights(monkeypatch, packages, tmp_path):

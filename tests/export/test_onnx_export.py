@@ -87,7 +87,7 @@ def test_metadata_lets_a_server_load_the_file_alone(pkgs, tmp_path):
     assert float(tmeta["logit_bias"]) == pytest.approx(float(data["params/b"]))
     assert meta["preprocess"]["image_size"] == 32
     assert meta["package_config"]["model"]["encoder"]["moe"]["num_experts"] == 8
-    assert meta["outputs"] == ["logits", "pre_logits"] and len(meta["weights_sha256"]) == 64
+    assert meta["outputs"] == ["logits", "pre_logits"] and len(meta["weights_blake3"]) == 64
     onnx.checker.check_model(str(tmp_path / "m.onnx"))
 
 
