@@ -25,6 +25,7 @@ import hashlib
 import json
 import mmap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -94,6 +95,21 @@ def _candidates(tensors: dict[str, np.ndarray]) -> dict[tuple, list[dict]]:
     return found
 
 
+def _named_after(name: str, options: list[dict]) -> dict | None:
+    """The option an initializer's name settles among tensors of one value (zero biases, unit
+    scales): the exporter names a parameter it uses as it is after the parameter's path in the
+    module exported, which holds the package's model under a prefix (``model.``, ``plain.model.``),
+    and one row of a stacked parameter after that path and the row (``export.onnx``'s folded
+    gathers: ``...mlp.b1__5``). The option whose name ends the initializer's, the longest such;
+    None when none does."""
+
+    def own(o: dict) -> str | None:
+        return o["source"] if o["op"] == "same" else f"{o['source']}__{o['index']}" if o["op"] == "row" else None
+
+    named = [o for o in options if own(o) is not None and (name == own(o) or name.endswith("." + own(o)))]
+    return max(named, key=lambda o: len(own(o)), default=None)
+
+
 def recipe_for(graph_file: Path, tensors: dict[str, np.ndarray]) -> tuple[list[dict] | None, str]:
     """``(recipe, "")``: how every initializer of more than one element of ``graph_file`` that is a
     tensor of the module is taken from ``tensors``; ``(None, why)`` when none is (nothing to bind)."""
@@ -112,9 +128,10 @@ def recipe_for(graph_file: Path, tensors: dict[str, np.ndarray]) -> tuple[list[d
         options = found.get(_fingerprint(value))
         if not options:  # a constant of the graph's own (shapes, indices, the token-mean row): kept
             continue
-        # the exporter names a parameter it uses as it is after the parameter itself
-        step = next((o for o in options if o["source"] == init.name and o["op"] == "same"), options[0])
-        recipe.append({"name": init.name, **step, "ambiguous": len(options) > 1, "found": _found(value)})
+        named = _named_after(init.name, options)
+        step = named or options[0]
+        recipe.append({"name": init.name, **step, "ambiguous": len(options) > 1 and named is None,
+                       "found": _found(value)})
     if not recipe:
         return None, "no initializer of the graph is a tensor of the model"
     return recipe, ""
@@ -161,6 +178,7 @@ class Binder:
         self.derived = derived
         self._out = open(derived, "wb")
         self._written: dict[tuple, tuple[int, int]] = {}
+        self.bound: dict[Path, Any] = {}  # each graph written, as its ModelProto (its data outside it)
         self.package_bytes = 0
         self.derived_bytes = 0
 
@@ -210,6 +228,7 @@ class Binder:
             model.metadata_props.add(key=key, value=value)
         self._out.flush()  # the graph is read (verified) before the next one is bound
         out.write_bytes(model.SerializeToString())
+        self.bound[out] = model
 
     def _in_package(self, step: dict, tensors: dict[str, np.ndarray], value: np.ndarray) -> int | None:
         """The offset in the package's weights file of bytes equal to ``value``'s, if its recipe

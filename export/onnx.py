@@ -759,19 +759,57 @@ def bind_onnx(package: str | Path, structure: Path, out: str | Path, *, opset: i
             binder.bind(Path(structure) / by_role[role][0], by_role[role][1]["steps"], tensors, paths[role], meta)
     finally:
         binder.close()
-    written: list[ExportedFile] = []
+    steps = {paths[role]: by_role[role][1]["steps"] for role in graphs}
+    written: dict[str, ExportedFile] = {}
     try:
-        for role, graph in graphs.items():
+        for role in sorted(graphs, key=lambda r: r != "routing"):  # a routing graph first: it may vouch for its plain one
             path = paths[role]
-            results = _verified(path, None, graph, reference_graphs[role], precision, batches, vocab, providers, log,
-                                what="the bound graph failed verification", weights=weights)
-            written.append(ExportedFile(role, path, None, op_inventory(path), results))
+            results = _within_routing(path, paths["routing"], steps, binder.bound, log) if "routing" in written \
+                else None
+            if results is None:
+                results = _verified(path, None, graphs[role], reference_graphs[role], precision, batches, vocab,
+                                    providers, log, what="the bound graph failed verification", weights=weights)
+            written[role] = ExportedFile(role, path, None, op_inventory(path), results)
     except ExportError:
         for path in paths.values():
             path.unlink(missing_ok=True)
         binder.derived.unlink(missing_ok=True)
         raise
-    return written
+    return [written[role] for role in graphs]
+
+
+def _within_routing(plain: Path, routing: Path, recipes: dict[Path, list[dict]], bound: dict[Path, Any], log
+                    ) -> list[Verification] | None:
+    """The bound ``plain`` graph vouched for by the bound ``routing`` graph, already verified
+    against PyTorch, without a session of its own (``recipes``: each graph's binding steps;
+    ``bound``: ``binding.Binder.bound``, the graphs as written). None unless each initializer the
+    binding gave ``plain`` was found by an unambiguous recipe at export, and the routing graph holds
+    one from the same recipe (the same tensor of the package, taken the same way) with the same
+    type, shape and data: the same range of the same file. The routing graph is the plain graph's
+    module with outputs added (``graphs.RoutingGraph``), exported and verified with it; what the
+    binding changes is only those initializers, so the routing graph's verified outputs are the
+    plain graph's on the very bytes the plain graph reads. A plain graph with a routing sibling is
+    served from the sibling's session anyway (``OnnxRuntimeBackend``); this spares building and
+    prepacking one more session of the weights."""
+
+    def content(t) -> bytes:  # the tensor less its name: type, shape and where its bytes lie
+        c = type(t)()
+        c.CopyFrom(t)
+        c.name = ""
+        return c.SerializeToString(deterministic=True)
+
+    def how(step: dict) -> tuple:
+        return step["op"], step["source"], step.get("index")
+
+    theirs = {t.name: t for t in bound[routing].graph.initializer}
+    given = {how(step): content(theirs[step["name"]]) for step in recipes[routing] if step["name"] in theirs}
+    mine = {t.name: t for t in bound[plain].graph.initializer}
+    for step in recipes[plain]:
+        if step.get("ambiguous") or given.get(how(step)) != content(mine[step["name"]]):
+            return None
+    log(f"verify {plain.name}: its {len(recipes[plain])} bound initializers are the verified {routing.name}'s, "
+        f"from the same recipes, byte for byte")
+    return [Verification(0, f"every bound initializer as {routing.name}'s", 0.0, 0.0)]
 
 
 def _check(path: Path) -> None:

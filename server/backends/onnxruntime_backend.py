@@ -126,21 +126,9 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
         child = _weight_bytes(package) >= EXPORT_IN_CHILD_BYTES
         found = cache.lookup(structure_root, structure_key, log=log)
         if found is not None and found.meta.get("bindable"):
-            started = time.perf_counter()
-            log(f"binding {package}'s weights into {found.path} (graphs of the same structure) and verifying them")
-            try:
-                with phase("bind"):
-                    names = _in_child("bind", package, tmp / "model.onnx", known, found.path) \
-                        if _weight_bytes(package) >= BIND_IN_CHILD_BYTES else \
-                        [f.path.name for f in exporter.bind_onnx(package, found.path, tmp / "model.onnx",
-                                                                 log=logging.getLogger("softmoe.export").debug,
-                                                                 **known)]
-                log(f"bound and verified in {time.perf_counter() - started:.1f} s")
+            names = _bound(package, found.path, tmp, known, log)
+            if names is not None:
                 return names
-            except ExportError as e:
-                log(f"binding failed ({e}); exporting instead")
-                for f in tmp.iterdir():
-                    f.unlink()
         elif found is not None:
             log(f"{found.path}: {found.meta.get('why')}; exporting")
         started = time.perf_counter()
@@ -173,6 +161,27 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
                                   f"softmoe prepare --model {package} --cache-dir {cache_root(cache_dir)}") from None
     log(f"{'built' if entry.built else 'reusing'} {entry.path} (hash-checked)")
     return [entry.files[name] for name in entry.meta if not name.endswith(".routing.onnx")]
+
+
+def _bound(package: Path, structure: Path, tmp: Path, settings: dict, log) -> list[str] | None:
+    """The package's weights bound into the graphs of ``structure`` and verified, written into
+    ``tmp`` (in a child process for a large package): the file names; None, with ``tmp`` emptied and
+    the reason logged, where that fails and the package is to be exported instead."""
+    started = time.perf_counter()
+    log(f"binding {package}'s weights into {structure} (graphs of the same structure) and verifying them")
+    try:
+        with phase("bind"):
+            names = _in_child("bind", package, tmp / "model.onnx", settings, structure) \
+                if _weight_bytes(package) >= BIND_IN_CHILD_BYTES else \
+                [f.path.name for f in exporter.bind_onnx(package, structure, tmp / "model.onnx",
+                                                         log=logging.getLogger("softmoe.export").debug, **settings)]
+    except ExportError as e:
+        log(f"binding failed ({e}); exporting instead")
+        for f in tmp.iterdir():
+            f.unlink()
+        return None
+    log(f"bound and verified in {time.perf_counter() - started:.1f} s")
+    return names
 
 
 def _publish_structure(root: Path, key: str, staging: Path, inputs: dict, log) -> None:

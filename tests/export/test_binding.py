@@ -130,6 +130,75 @@ def test_a_binding_that_fails_verification_is_exported_instead(monkeypatch, pack
     assert float(np.abs(_run(files, "classify", {"pixel_values": x}, b)["logits"] - torch_b["logits"]).max()) < 1e-4
 
 
+def test_the_routing_graph_vouches_for_its_plain_graph(monkeypatch, packages, tmp_path):
+    """A binding builds no session of the plain graph: the verified routing graph reads the same
+    bytes for every initializer. The plain graph, run on its own, still answers with b's weights."""
+    a = packages["golden"]
+    calls, b, cache_dir = _a_exported(monkeypatch, a, tmp_path)
+    verified: list[str] = []
+    real_verify = export.onnx.verify
+    monkeypatch.setattr(export.onnx, "verify", lambda path, *a, **k: verified.append(Path(path).name)
+                        or real_verify(path, *a, **k))
+    [plain] = exported_files(b, cache_dir, "fp32", log=lambda *_: None)
+    assert calls["bind"] == [b] and verified == ["model.routing.onnx"], verified
+    size = read_metadata(plain)["package_config"]["model"]["image_size"]
+    x = np.random.default_rng(2).uniform(-1, 1, (3, 3, size, size)).astype(np.float32)
+    alone = OnnxRuntimeBackend([plain], routing=False, weights=b / "model.safetensors")
+    try:
+        got = alone.run("classify", {"pixel_values": x})
+    finally:
+        alone.close()
+    torch_b = TorchBackend(b, device="cpu", precision="fp32", max_batch_size=8).run("classify", {"pixel_values": x})
+    assert float(np.abs(got["logits"] - torch_b["logits"]).max()) < 1e-4
+
+
+def test_a_plain_graph_not_bound_as_its_routing_graph_is_verified_itself(monkeypatch, packages, tmp_path):
+    """One initializer of the plain graph read from elsewhere than the routing graph's: the routing
+    graph cannot vouch for it, and the plain graph is verified against PyTorch on its own."""
+    a = packages["golden"]
+    calls, b, cache_dir = _a_exported(monkeypatch, a, tmp_path)
+    real_bind = binding.Binder.bind
+
+    def bind(self, structure_file, recipe, tensors, out, metadata, found=False):
+        real_bind(self, structure_file, recipe, tensors, out, metadata, found)
+        if out.name == "model.onnx":  # the plain graph: one tensor moved to a copy of its bytes
+            model = self.bound[out]
+            t = next(t for t in model.graph.initializer if t.external_data)
+            info = {e.key: e.value for e in t.external_data}
+            source = self.weights if info["location"] == "model.safetensors" else self.derived
+            with open(source, "rb") as f:
+                f.seek(int(info["offset"]))
+                data = f.read(int(info["length"]))
+            at = self._out.seek(0, 2)
+            self._out.write(data)
+            self._written[("copy",)] = (at, len(data))
+            for e in t.external_data:
+                e.value = {"location": self.derived.name, "offset": str(at)}.get(e.key, e.value)
+            out.write_bytes(model.SerializeToString())
+
+    monkeypatch.setattr(binding.Binder, "bind", bind)
+    verified: list[str] = []
+    real_verify = export.onnx.verify
+    monkeypatch.setattr(export.onnx, "verify", lambda path, *a, **k: verified.append(Path(path).name)
+                        or real_verify(path, *a, **k))
+    exported_files(b, cache_dir, "fp32", log=lambda *_: None)
+    assert calls["bind"] == [b] and calls["export"] == [a] and verified == ["model.routing.onnx", "model.onnx"]
+
+
+def test_tensors_of_one_value_are_told_apart_by_name():
+    """Zero rows of experts' biases and a zero bias (as `softmoe init` writes them) share one value:
+    the initializer's name, the parameter's path and row as the exporter writes them, settles which
+    is which; a name that says nothing settles nothing."""
+    options = [{"source": "encoder.blocks.0.norm1.bias", "op": "same", "index": None},
+               *({"source": "encoder.blocks.6.mlp.b2", "op": "row", "index": i} for i in range(3)),
+               {"source": "blocks.6.mlp.b2", "op": "row", "index": 2}]
+    assert binding._named_after("model.encoder.blocks.6.mlp.b2__2", options) == options[3]  # the longest path
+    assert binding._named_after("plain.model.encoder.blocks.6.mlp.b2__1", options) == options[2]
+    assert binding._named_after("model.encoder.blocks.0.norm1.bias", options) == options[0]
+    assert binding._named_after("model.encoder.blocks.6.mlp.b2__7", options) is None
+    assert binding._named_after("val_12", options) is None
+
+
 def test_another_structure_is_exported(monkeypatch, packages, tmp_path):
     calls = _counting(monkeypatch)
     a = packages["golden"]
