@@ -16,6 +16,7 @@ a FunctionSpec or None; not in ``functions``, which lists what serves traffic):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import numpy as np
@@ -98,6 +99,25 @@ def routing_spec(graphs) -> FunctionSpec | None:
 def warm(backend: Backend, batch_sizes: list[int]) -> None:
     """Run every function (routing included) once at every batch size (zeros): no lazy work on the
     request path."""
-    for fn, spec in all_functions(backend).items():
-        for b in batch_sizes:
-            backend.run(fn, {s.name: np.zeros((b, *s.shape), dtype=s.dtype) for s in spec.inputs})
+    for fn, spec, b in warming_calls(backend, lambda fn: batch_sizes):
+        backend.run(fn, {s.name: np.zeros((b, *s.shape), dtype=s.dtype) for s in spec.inputs})
+
+
+def warming_calls(backend: Backend, sizes: Callable[[str], Iterable[int]]) -> list[tuple[str, FunctionSpec, int]]:
+    """``(function, spec, batch size)``: each function of ``backend`` (routing included) at each of
+    ``sizes(function)``, less the calls that warm nothing new. A backend whose ``sessions`` maps
+    functions to the runtime sessions that serve them (``OnnxRuntimeBackend``: a plain image
+    function is served by its routing graph's session, which computes its outputs and more) runs
+    each session once per shape: a call warms a session's kernels and memory plan for the shape of
+    its inputs, whichever of its outputs are fetched. Functions with more outputs come first."""
+    sessions = getattr(backend, "sessions", {})
+    functions = sorted(all_functions(backend).items(), key=lambda kv: -len(kv[1].outputs))
+    seen: set[tuple] = set()
+    calls = []
+    for fn, spec in functions:
+        owner = id(sessions[fn]) if fn in sessions else fn
+        for size in sizes(fn):
+            if (owner, size) not in seen:
+                seen.add((owner, size))
+                calls.append((fn, spec, size))
+    return calls

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from export.phases import phase, recording
-from server.backends.base import ROUTING, all_functions, structure_of
+from server.backends.base import ROUTING, all_functions, structure_of, warming_calls
 from server.errors import ModelLoadError
 from server.engine import proof_cache
 from server.engine.models import ServedModel, backend_threads, total_threads, wide_lone
@@ -108,7 +108,8 @@ def findings(model: ServedModel) -> dict:
 
 def adopt(model: ServedModel, found: dict, settings: Settings) -> None:
     """``found`` (``findings`` of a model of the same structure) as ``model``'s own; then every
-    shape of every function run once on its backend, so no request meets a cold shape."""
+    shape of every function run once on its backend (once per session: ``warming_calls``), so no
+    request meets a cold shape."""
     for fn, queue in model.queues.items():
         if fn in found["shapes"]:
             queue.shapes = tuple(int(s) for s in found["shapes"][fn])
@@ -118,13 +119,15 @@ def adopt(model: ServedModel, found: dict, settings: Settings) -> None:
         model.routing.shared, model.routing.beside = bool(routing["shared"]), bool(routing["beside"])
         model.routing.why = str(routing["why"])
     rng = np.random.default_rng(0)
+
+    def sizes(fn: str) -> list[int]:
+        queue = model.queues.get(fn)
+        return list(queue.shapes) if settings.strict_determinism and queue is not None \
+            else sorted({1, 2, settings.max_batch_size})
+
     with phase("warm-up"):
-        for fn, spec in all_functions(model.backend).items():
-            queue = model.queues.get(fn)
-            sizes = list(queue.shapes) if settings.strict_determinism and queue is not None \
-                else sorted({1, 2, settings.max_batch_size})
-            for size in sizes:
-                model.backend.run(fn, random_rows(spec, size, rng, model.vocab_size))
+        for fn, spec, size in warming_calls(model.backend, sizes):
+            model.backend.run(fn, random_rows(spec, size, rng, model.vocab_size))
 
 
 def serving_line(model: ServedModel, settings: Settings) -> str:

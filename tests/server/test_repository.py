@@ -328,6 +328,29 @@ def test_a_next_version_of_the_same_graphs_inherits_the_start_up_findings(tmp_pa
         engine.close()
 
 
+def test_warming_runs_each_session_once_per_shape(tmp_path):
+    """digits on ONNX Runtime: its classify function is served by the routing graph's session, so
+    warming runs that session once per shape (as the routing function, which fetches every output);
+    a backend without sessions runs every function at every shape."""
+    from types import SimpleNamespace
+
+    from server.backends.base import warming_calls
+    from server.engine.startup import load_models
+
+    settings = Settings(models=[f"a={DIGITS}"], backend="onnxruntime", cache_dir=str(tmp_path / "cache"))
+    [model] = load_models(settings)
+    try:
+        backend = model.backend
+        assert backend.sessions["classify"] is backend.sessions["routing"]
+        calls = warming_calls(backend, lambda fn: [1, 2, 8])
+        assert [(fn, size) for fn, _, size in calls] == [("routing", 1), ("routing", 2), ("routing", 8)]
+        plain = SimpleNamespace(functions=backend.functions, routing=backend.routing)
+        assert sorted((fn, size) for fn, _, size in warming_calls(plain, lambda fn: [1, 8])) == \
+            [("classify", 1), ("classify", 8), ("routing", 1), ("routing", 8)]
+    finally:
+        model.backend.close()
+
+
 def test_modes_none_and_poll_refuse_control_requests(tmp_path):
     from fastapi.testclient import TestClient
 
