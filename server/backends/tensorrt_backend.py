@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from export import cache
 from export.tensorrt import BatchProfile, EngineRunner, export_tensorrt, import_tensorrt
 from server.backends.base import ROUTING, FunctionSpec, InputSpec, Rows, warm
 
@@ -28,6 +29,7 @@ class TensorRTBackend:
         profile = BatchProfile(1, max_batch_size, max_batch_size)
         out = Path(cache_dir) / "engines" if cache_dir else None
         engines = export_tensorrt(package, out, precision=precision, profile=profile)
+        self._held = cache.hold(engines)  # the engines' cache entries, held while served: no process removes them
         self.runners, self.functions = {}, {}
         self.routing: FunctionSpec | None = None
         for engine in engines:
@@ -61,6 +63,8 @@ class TensorRTBackend:
 
     def close(self) -> None:
         self.runners.clear()
+        for held in self._held:  # the entries may now be removed to make room
+            held.release()
 
 
 def _shapes_from_engine(runner) -> dict[str, tuple]:
