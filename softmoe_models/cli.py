@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -55,9 +56,13 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None, errors: tuple[t
     args = parser.parse_args(argv)
     try:
         args.func(args)
+        sys.stdout.flush()  # here, where a reader that went away is told apart from a failure
     except errors as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except BrokenPipeError:  # the reader stopped early (`| head`): it read what it wanted, no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the interpreter's last flush
+        raise SystemExit(1) from None
 
 
 def _parse_size(text: str) -> float:

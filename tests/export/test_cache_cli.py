@@ -106,3 +106,13 @@ def test_bad_arguments_are_one_line_errors(home):
     r = subprocess.run([sys.executable, "-m", "server.main", "cache", "prune", "--max-size", "50%"], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 2 and "a size such as 10G" in r.stderr
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(home):
+    """`softmoe cache list --json | head`: the pipe's reader is gone before the listing is written;
+    the command ends with status 1 and nothing on stderr, as a filter that lost its reader does."""
+    proc = subprocess.Popen([sys.executable, "-m", "server", "cache", "list", "--json", "--cache-dir", str(home)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # no reader: the first write fails with EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == "", err
