@@ -2,7 +2,7 @@
 
 An exported graph depends on a package's structure (variant, shapes, routing, export settings),
 not on its weights' values: the initializers are the model's parameters and buffers, some of them
-transposed or one row of a stacked tensor (``_fold_constant_gathers`` slices each expert out of
+transposed or one row of a stacked tensor (``graph_passes.fold_constant_gathers`` slices each expert out of
 its stack). So after an export, each initializer's *recipe* is found by value: which tensor of the
 exported module it is, and how it was taken (``same``, ``T``, ``row`` i, ``rowT`` i). The
 structure graph keeps the nodes and the initializers' names, types and shapes, its weight data
@@ -10,7 +10,7 @@ cleared; binding a package of the structure (``Binder``) points every initialize
 names at its data: most are bytes of the package's own weights file, read from there when a
 session is made (``export.weights_file``), and the rest (transposed or derived tensors) go into
 one small file beside the graphs. Initializers that are no tensor of the module (shapes, indices,
-the token-mean row of ``_token_means_as_matmuls``) and one-element ones (epsilons, powers) stay as
+the token-mean row of ``graph_passes.token_means_as_matmuls``) and one-element ones (epsilons, powers) stay as
 exported.
 
 A recipe is found on one set of weights, where two tensors may hold the same values (biases of
@@ -21,12 +21,12 @@ from the weights in a way no recipe names fails that check, and the package is e
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 from pathlib import Path
 from typing import Any
 
+import blake3
 import numpy as np
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ def derive(tensors: dict[str, np.ndarray], step: dict) -> np.ndarray:
 
 def _fingerprint(a: np.ndarray) -> tuple:
     a = np.ascontiguousarray(a)
-    return a.shape, a.dtype.str, hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
+    return a.shape, a.dtype.str, blake3.blake3(memoryview(a.reshape(-1).view(np.uint8))).hexdigest(length=16)
 
 
 def _found(a: np.ndarray) -> list:
@@ -76,12 +76,14 @@ def _found(a: np.ndarray) -> list:
     return [list(shape), dtype, digest]
 
 
-def _candidates(tensors: dict[str, np.ndarray]) -> dict[tuple, list[dict]]:
-    """Every way a tensor of the module can stand in a graph, by the fingerprint of its value."""
+def _candidates(tensors: dict[str, np.ndarray], wanted: set[tuple]) -> dict[tuple, list[dict]]:
+    """Every way a tensor of the module can stand in a graph, by the fingerprint of its value;
+    only the ways whose ``(shape, dtype.str)`` is in ``wanted`` (an initializer's) are hashed."""
     found: dict[tuple, list[dict]] = {}
 
     def add(value: np.ndarray, source: str, op: str, index: int | None = None) -> None:
-        found.setdefault(_fingerprint(value), []).append({"source": source, "op": op, "index": index})
+        if (value.shape, value.dtype.str) in wanted:
+            found.setdefault(_fingerprint(value), []).append({"source": source, "op": op, "index": index})
 
     for name, v in tensors.items():
         add(v, name, "same")
@@ -99,9 +101,9 @@ def _named_after(name: str, options: list[dict]) -> dict | None:
     """The option an initializer's name settles among tensors of one value (zero biases, unit
     scales): the exporter names a parameter it uses as it is after the parameter's path in the
     module exported, which holds the package's model under a prefix (``model.``, ``plain.model.``),
-    and one row of a stacked parameter after that path and the row (``export.onnx``'s folded
-    gathers: ``...mlp.b1__5``). The option whose name ends the initializer's, the longest such;
-    None when none does."""
+    and one row of a stacked parameter after that path and the row (``export.graph_passes``'
+    folded gathers: ``...mlp.b1__5``). The option whose name ends the initializer's, the longest
+    such; None when none does."""
 
     def own(o: dict) -> str | None:
         return o["source"] if o["op"] == "same" else f"{o['source']}__{o['index']}" if o["op"] == "row" else None
@@ -110,31 +112,54 @@ def _named_after(name: str, options: list[dict]) -> dict | None:
     return max(named, key=lambda o: len(own(o)), default=None)
 
 
-def recipe_for(graph_file: Path, tensors: dict[str, np.ndarray]) -> tuple[list[dict] | None, str]:
-    """``(recipe, "")``: how every initializer of more than one element of ``graph_file`` that is a
-    tensor of the module is taken from ``tensors``; ``(None, why)`` when none is (nothing to bind)."""
+def _initializer_values(graph_file: Path):
+    """``(model, values)``: the graph at ``graph_file`` without its external data loaded, and each
+    initializer's value, by name, read from where it lies (memory-mapped external data)."""
     # onnx: heavy, out of this module's import (the server imports it)
     import onnx
     # onnx as well: heavy, out of this module's import
     from onnx import numpy_helper
 
-    model = onnx.load(str(graph_file))
-    found = _candidates(tensors)
-    recipe = []
+    model = onnx.load(str(graph_file), load_external_data=False)
+    maps: dict[str, np.ndarray] = {}
+    values: dict[str, np.ndarray] = {}
     for init in model.graph.initializer:
-        value = numpy_helper.to_array(init)
-        if value.size <= 1:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(init.data_type)
+        if init.data_location != onnx.TensorProto.EXTERNAL:
+            values[init.name] = numpy_helper.to_array(init)
             continue
-        options = found.get(_fingerprint(value))
-        if not options:  # a constant of the graph's own (shapes, indices, the token-mean row): kept
-            continue
-        named = _named_after(init.name, options)
-        step = named or options[0]
-        recipe.append({"name": init.name, **step, "ambiguous": len(options) > 1 and named is None,
-                       "found": _found(value)})
-    if not recipe:
-        return None, "no initializer of the graph is a tensor of the model"
-    return recipe, ""
+        where = {e.key: e.value for e in init.external_data}
+        path = graph_file.parent / where["location"]
+        if str(path) not in maps:
+            maps[str(path)] = np.memmap(path, np.uint8, mode="r")
+        start = int(where.get("offset", 0))
+        raw = maps[str(path)][start:start + int(where["length"])]
+        values[init.name] = np.frombuffer(raw, dtype).reshape(tuple(init.dims))
+    return model, values
+
+
+def recipes_for(graph_files: list[Path], tensors: dict[str, np.ndarray]) -> dict[Path, tuple[list[dict] | None, str]]:
+    """Per graph, ``(recipe, "")``: how every initializer of more than one element that is a tensor
+    of the module is taken from ``tensors``; ``(None, why)`` when none is (nothing to bind). The
+    module's tensors are fingerprinted once for all the graphs."""
+    graphs = {f: _initializer_values(f)[1] for f in graph_files}
+    wanted = {(v.shape, v.dtype.str) for values in graphs.values() for v in values.values() if v.size > 1}
+    found = _candidates(tensors, wanted)
+    out: dict[Path, tuple[list[dict] | None, str]] = {}
+    for f, values in graphs.items():
+        recipe = []
+        for name, value in values.items():
+            if value.size <= 1:
+                continue
+            options = found.get(_fingerprint(value))
+            if not options:  # a constant of the graph's own (shapes, indices, the token-mean row): kept
+                continue
+            named = _named_after(name, options)
+            step = named or options[0]
+            recipe.append({"name": name, **step, "ambiguous": len(options) > 1 and named is None,
+                           "found": _found(value)})
+        out[f] = (recipe, "") if recipe else (None, "no initializer of the graph is a tensor of the model")
+    return out
 
 
 def write_structure(graph_file: Path, recipe: list[dict], out: Path) -> None:
@@ -143,14 +168,17 @@ def write_structure(graph_file: Path, recipe: list[dict], out: Path) -> None:
     # onnx: heavy, out of this module's import (the server imports it)
     import onnx
 
-    model = onnx.load(str(graph_file))
+    model, values = _initializer_values(graph_file)
     filled = {step["name"] for step in recipe}
     for init in model.graph.initializer:
-        if init.name in filled:
-            name, dims, dtype = init.name, list(init.dims), init.data_type
+        name, dims, dtype = init.name, list(init.dims), init.data_type
+        kept = None if name in filled or init.data_location != onnx.TensorProto.EXTERNAL else values[name]
+        if name in filled or kept is not None:
             init.Clear()
             init.name, init.data_type = name, dtype
             init.dims.extend(dims)
+        if kept is not None:  # a constant of the graph's own, inline again
+            init.raw_data = np.ascontiguousarray(kept).tobytes()
     onnx.save_model(model, str(out))
 
 

@@ -45,7 +45,7 @@ from softmoe_models.sparse_moe import configure_sparse_routing, sparse_moe_layer
 from .errors import ExportError
 from . import binding, cache, sparse_verify
 from .graphs import Graph, example_inputs, graphs_for
-from .op_support import replace_node, sparse_ops_for_tensorrt
+from .op_support import sparse_ops_for_tensorrt
 from .runtime import ort_session
 
 ExpertsForm = Literal["per-expert", "batched"]
@@ -212,19 +212,23 @@ def export_one(graph: Graph, path: Path, opset: int, dynamic: bool, metadata: di
             if isinstance(d, str) and dynamic:
                 axes[i] = symbols.setdefault(d, Dim(d, min=1, max=4096))
         dims[spec.name] = axes
+    # onnx_ir and onnxscript: heavy, only an export needs them (the server imports this module)
+    from . import graph_passes
+
     with warnings.catch_warnings(), _quiet_torch_logs():
         warnings.simplefilter("ignore")
         try:
             program = torch.onnx.export(
-                graph.module, args, dynamo=True, opset_version=opset,
+                graph.module, args, dynamo=True, opset_version=opset, optimize=False,
                 custom_translation_table=_custom_translations() if sparse else None,
                 input_names=[s.name for s in graph.inputs], output_names=graph.outputs,
                 dynamic_shapes=dims if dynamic else None, verbose=False, report=False,
             )
         except Exception as e:  # the exporter raises many types; report one line
             raise ExportError(f"torch.onnx export of the {graph.role} graph failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}") from None
-    _fold_constant_gathers(program.model.graph)
-    _token_means_as_matmuls(program.model.graph)
+        graph_passes.tidy(program.model)
+    graph_passes.fold_constant_gathers(program.model.graph)
+    graph_passes.token_means_as_matmuls(program.model.graph)
     if sparse:
         sparse_ops_for_tensorrt(program.model.graph)
     for key, value in metadata.items():
@@ -244,7 +248,7 @@ def _custom_translations() -> dict:
     ``(A, d)`` sorted by expert and the rows per expert ``count (E,)`` -> expert e's rows
     ``Slice(rows, start[e], end[e])`` (``end = CumSum(count)``, ``start = end - count``) through
     ``Gemm(W1[e], b1[e])``, ``Gelu(tanh)``, ``Gemm(W2[e], b2[e])`` (each weight a Gather of the stacked
-    constant, which ``_fold_constant_gathers`` turns into a 2-D constant that ONNX Runtime
+    constant, which ``graph_passes.fold_constant_gathers`` turns into a 2-D constant that ONNX Runtime
     prepacks), bfloat16 Casts where the layer dispatches in bfloat16, then ``Concat`` of the
     experts' rows and zeros for the rest (the dropped claims). An expert with no row runs GEMMs of
     no row."""
@@ -276,83 +280,6 @@ def _custom_translations() -> dict:
         return op.Concat(*outs, zeros, axis=0)
 
     return {torch.ops.softmoe.routed_experts.default: routed_experts}
-
-
-def _fold_constant_gathers(graph) -> int:
-    """Replace ``Gather(initializer, constant index)`` by a sliced initializer.
-
-    The per-expert form indexes the stacked ``(n, d, M)`` expert weights; left as Gathers, ONNX
-    Runtime folds them at session creation, which took minutes for a 128-expert model and kept
-    the stacked copy too. Sliced here, each expert is one 2-D constant that ONNX Runtime prepacks.
-    """
-    # onnx_ir: heavy, out of this module's import (the server imports it)
-    import onnx_ir as ir
-
-    count = 0
-    for node in list(graph):
-        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
-            continue
-        data, index = node.inputs
-        if data is None or index is None or not data.is_initializer() or index.const_value is None:
-            continue
-        axis = node.attributes.get_int("axis", 0)
-        sliced = np.take(data.const_value.numpy(), index.const_value.numpy(), axis=axis)
-        out = node.outputs[0]
-        value = ir.Value(name=f"{data.name}__{'_'.join(map(str, np.atleast_1d(index.const_value.numpy())))}",
-                         const_value=ir.tensor(np.ascontiguousarray(sliced)))
-        graph.register_initializer(value)
-        ir.convenience.replace_all_uses_with(out, value)
-        graph.remove(node, safe=True)
-        count += 1
-    if count:
-        for name, init in list(graph.initializers.items()):
-            if not init.uses() and init not in graph.outputs:
-                del graph.initializers[name]
-    return count
-
-
-def _token_means_as_matmuls(graph) -> int:
-    """Replace each fp32 ``ReduceMean`` over the token axis of a ``(batch, T, D)`` tensor (the
-    ``gap`` pooling of the image and text towers) by ``MatMul`` with a constant ``(1, T)`` row of
-    ``1/T``, then ``Squeeze``.
-
-    Why: ONNX Runtime's CPU reduction merges the unit batch axis away, so at batch 1 it sums the
-    tokens in another order than at any larger batch, and a lone image's pooled features differed
-    in the last bit from the same image among batch-mates; strict determinism then could not run
-    a lone request at batch shape 1 (``server.engine.proofs.prove_shapes`` refused it). A MatMul whose
-    constant row is broadcast over the batch runs one identical GEMM per sequence whatever the
-    batch. The result differs from the mean by rounding only (within every export tolerance;
-    ``verify`` still checks it against PyTorch).
-    """
-    # onnx_ir: heavy, out of this module's import (the server imports it)
-    import onnx_ir as ir
-
-    count = 0
-    for node in list(graph):
-        if node.op_type != "ReduceMean" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
-            continue
-        x, axes = node.inputs
-        if x is None or axes is None or axes.const_value is None or x.dtype != ir.DataType.FLOAT:
-            continue
-        shape = x.shape
-        if shape is None or len(shape) != 3 or not isinstance(shape[1], int):
-            continue
-        if [int(a) % 3 for a in np.atleast_1d(axes.const_value.numpy())] != [1]:
-            continue
-        tokens, keepdims = shape[1], node.attributes.get_int("keepdims", 1)
-        row = ir.Value(name=f"{node.name}__mean_row", const_value=ir.tensor(np.full((1, tokens), 1.0 / tokens, np.float32)))
-        graph.register_initializer(row)
-        matmul = ir.Node("", "MatMul", [row, x], name=f"{node.name}__matmul")
-        new_nodes, result = [matmul], matmul.outputs[0]
-        if not keepdims:
-            axis = ir.Value(name=f"{node.name}__axis", const_value=ir.tensor(np.array([1], np.int64)))
-            graph.register_initializer(axis)
-            squeeze = ir.Node("", "Squeeze", [result, axis], name=f"{node.name}__squeeze")
-            new_nodes.append(squeeze)
-            result = squeeze.outputs[0]
-        replace_node(graph, node, new_nodes, result)
-        count += 1
-    return count
 
 
 @contextlib.contextmanager
@@ -597,11 +524,15 @@ def export_onnx(
     vocab = getattr(getattr(model.cfg, "text", None), "vocab_size", 2)
     batches = verify_batches if dynamic_batch else (2,)
 
-    written: list[ExportedFile] = []
-    for role, graph in graphs.items():
-        path = paths[role]
+    written: dict[str, ExportedFile] = {}
+    for role in sorted(graphs, key=lambda r: r != "routing"):  # a routing graph first: its plain one is cut from it
+        graph, path = graphs[role], paths[role]
         t0 = time.perf_counter()
         meta = graph_metadata(pkg, role, precision, experts, graph, digest, model, sparse_dispatch if sparse else None)
+        routing_file = written.get("routing")
+        if routing_file is not None and graphs["routing"].module.plain is graph.module:
+            written[role] = _cut_from_routing(routing_file, graph, path, meta, log)
+            continue
         data = export_one(graph, path, opset, dynamic_batch, meta, external_data, sparse)
         ops = op_inventory(path)
         if "Einsum" in ops and sparse_dispatch != "einsum":
@@ -612,11 +543,31 @@ def export_onnx(
         log(f"wrote {path} ({role}, opset {opset}, {precision}, experts {experts}{form}, {sum(ops.values())} nodes, "
             f"{'external data ' + data.name if data else 'weights inline'}, {time.perf_counter() - t0:.1f}s)")
         results = _verified(path, data, graph, reference_graphs[role], precision, batches, vocab, providers, log)
-        written.append(ExportedFile(role, path, data, ops, results))
+        written[role] = ExportedFile(role, path, data, ops, results)
+    files = [written[role] for role in graphs]
     if structure_out is not None:
-        write_structure_entry(written, export_model, Path(structure_out),
+        write_structure_entry(files, export_model, Path(structure_out),
                               Path(bound_out) if bound_out is not None else None, pkg.path / "model.safetensors")
-    return written
+    return files
+
+
+def _cut_from_routing(routing: ExportedFile, graph: Graph, path: Path, metadata: dict[str, str], log) -> ExportedFile:
+    """The plain image graph ``graph`` as its exported and verified routing graph cut down to the
+    plain outputs (``graph_passes.only_outputs``), written to ``path``; it reads the routing graph's
+    external data. Its verification is the routing graph's on those outputs: the same nodes on the
+    same initializers."""
+    # onnx: heavy, only an export needs it (the server imports this module)
+    from . import graph_passes
+
+    graph_passes.only_outputs(routing.path, path, graph.outputs, f"softmoe_{graph.role.replace('-', '_')}", metadata)
+    _check(path)
+    ops = op_inventory(path)
+    log(f"wrote {path} ({graph.role}, cut from {routing.path.name}: {sum(ops.values())} nodes, "
+        f"{'external data ' + routing.external_data.name if routing.external_data else 'weights inline'})")
+    results = [Verification(v.batch, v.output, v.max_abs_err, v.tol, v.own_routing_err, v.gate_err, v.gate_tol,
+                            v.bf16_effect, v.fp32_dispatch_err)
+               for v in routing.verification if v.output.split(" ")[0] in graph.outputs]
+    return ExportedFile(graph.role, path, routing.external_data, ops, results)
 
 
 def _verified(path: Path, data: Path | None, graph: Graph, reference: Graph, precision: str, batches: tuple[int, ...],
@@ -688,9 +639,10 @@ def write_structure_entry(written: list[ExportedFile], module: torch.nn.Module, 
     derived one is the tensor the recipe matched by value); where that fails, none is written."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = binding.model_tensors(module)
+    found = binding.recipes_for([f.path for f in written], tensors)
     recipes: dict[str, dict] = {}
     for f in written:
-        recipe, why = binding.recipe_for(f.path, tensors)
+        recipe, why = found[f.path]
         if recipe is None:
             recipes = {"unbindable": why}
             break

@@ -48,7 +48,8 @@ def cache_root(cache_dir: str) -> Path:
 #    sparse export is verified among other batch-mates, and bf16 dispatch is held to its bound.
 # 5: the graphs of a structure are exported once and other packages' weights bound into them.
 # 6: the graphs read their weights from the package's own file (export.weights_file).
-GRAPH_FORMAT = 6
+# 7: the exporter's pattern rewriter left out (export.graph_passes.tidy).
+GRAPH_FORMAT = 7
 
 # Packages whose weights are at least this large are exported in a child process: all of them, so
 # that a first start ends where a cached one does. Exporting in the server's own process left it

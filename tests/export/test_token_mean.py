@@ -1,6 +1,6 @@
 """The exported towers pool tokens with a MatMul, not ReduceMean, so ONNX Runtime gives a lone
 image the same bits as the same image among batch-mates, and strict determinism can run a lone
-request at batch shape 1 (export/onnx.py, _token_means_as_matmuls)."""
+request at batch shape 1 (export/graph_passes.py, token_means_as_matmuls)."""
 
 from __future__ import annotations
 
