@@ -33,7 +33,7 @@ def tidy(model: ir.Model) -> None:
     duplicates merged, common subexpressions shared, names fixed), without its rewrite rules."""
     optimizer.inline(model)
     for _ in range(2):
-        folded = optimizer.fold_constants(model)
+        folded = optimizer.fold_constants(model, onnx_shape_inference=True)
         removed = common_passes.RemoveUnusedNodesPass()(model)
         common_passes.RemoveUnusedFunctionsPass()(model)
         common_passes.RemoveUnusedOpsetsPass()(model)

@@ -20,7 +20,8 @@ SPIN_POLICIES = ("off", "run")
 
 
 def ort_session(path: str | Path, threads: int | None = None, providers: list[str] | None = None,
-                spin: str = "off", background: bool = False, weights: str | Path | None = None):
+                spin: str = "off", background: bool = False, weights: str | Path | None = None,
+                checking: bool = False):
     """An InferenceSession with full graph optimisation, pinned threads and the given spin policy.
 
     Args:
@@ -32,6 +33,11 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
             for a process that loads a model while it serves others' batches.
         weights: the package's ``model.safetensors``, for a bound graph that reads its
             initializers from there (``export.weights_file``); its caller has checked its hash.
+        checking: a session for a few runs that check a graph's numbers against PyTorch
+            (``export.onnx.verify``), never for serving or start-up proofs: basic graph
+            optimisation and no prepacked weights: set up in a fraction of a serving session's
+            time, its outputs within float32 noise of it (docs/benchmarks.md, coldstart). The
+            served session is proven and warmed on its own.
     """
     try:  # onnxruntime: an optional extra, imported only when a session is made
         import onnxruntime as ort
@@ -40,6 +46,9 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
             "onnxruntime is not installed: pip install 'softmoe-serve[cpu]' (or '[gpu]' for onnxruntime-gpu)"
         ) from None
     opts = session_options(threads, spin=spin, parallel_prepack=not background)
+    if checking:
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     package = with_package_weights(opts, path, weights)
     if background:
         session = BackgroundBuiltSession(path, opts, providers or ["CPUExecutionProvider"])
