@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MissingExtraError
-from . import weights_file
+from .weights_file import PackageWeights
 
 
 SPIN_POLICIES = ("off", "run")
@@ -49,13 +49,23 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
     if checking:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
         opts.add_session_config_entry("session.disable_prepacking", "1")
-    source, package = weights_file.session_source(path, weights, opts)
+    package = with_package_weights(opts, path, weights)
     if background:
-        session = BackgroundBuiltSession(source, opts, providers or ["CPUExecutionProvider"])
+        session = BackgroundBuiltSession(path, opts, providers or ["CPUExecutionProvider"])
     else:
-        session = ort.InferenceSession(source, sess_options=opts, providers=providers or ["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), sess_options=opts, providers=providers or ["CPUExecutionProvider"])
     session.package_weights = package  # the memory the session reads its initializers from lives as long as it
     return session
+
+
+def with_package_weights(options, path: str | Path, weights: str | Path | None) -> PackageWeights | None:
+    """Give ``options`` the initializers the graph at ``path`` reads from its package's weights
+    file ``weights`` (``export.weights_file``); what the session must keep, or None when the graph
+    holds all its data."""
+    package = PackageWeights.of(path, weights)
+    if package is not None:
+        package.give(options)
+    return package
 
 
 def structure_digest(path: str | Path) -> str:
@@ -109,12 +119,11 @@ class BackgroundBuiltSession:
     It answers the calls the backends make on a session; its outputs are those of an
     ``InferenceSession`` of the same file and options (tests/export/test_runtime.py)."""
 
-    def __init__(self, source: str | bytes, options, providers: list[str]) -> None:
+    def __init__(self, path: str | Path, options, providers: list[str]) -> None:
         # onnxruntime: an optional extra, out of this module's import
         from onnxruntime.capi import _pybind_state as binding
 
-        # a path, or a graph's bytes (export.weights_file.session_source)
-        self._sess = binding.InferenceSession(options, source, isinstance(source, str), False)
+        self._sess = binding.InferenceSession(options, str(path), True, False)
         at_low_priority(self._sess.initialize_session, list(providers), [{} for _ in providers], set())
         self._inputs = self._sess.inputs_meta
         self._outputs = self._sess.outputs_meta

@@ -7,17 +7,12 @@ parameter) are a byte range of the package's ``model.safetensors``. A bound grap
 ``model.safetensors`` with the range's offset and length; the few it cannot take from there
 (transposed or derived tensors) are real external data in a file of the cache entry.
 
-ONNX Runtime refuses external data outside the graph's directory (symbolic links resolved), and
-the onnx package refuses a hard link into it as a "hardlink attack". A session is made from the
-graph's bytes instead (``session_source``), its derived tensors inlined, with the package's
-directory as the one its external data is read from
-(``session.model_external_initializers_file_folder_path``): ONNX Runtime reads the package's
-ranges itself, owns them, and lets go of each weight once it has prepacked it. The caller has
-hash-checked the weights file. Handing the session the ranges as read-only views of a memory map
-(``SessionOptions.add_external_initializers``, ``PackageWeights``) also works, but ONNX Runtime
-copies such initializers and keeps the copy beside the prepacked one: a serving process held
-soft-s16-e128 twice over (docs/benchmarks.md). That way stays only for a graph whose derived
-tensors are too large to inline (a protobuf message stops at 2 GB).
+ONNX Runtime does not open ``model.safetensors`` itself: it refuses external data outside the
+graph's directory, and the onnx package refuses a hard link into it as a "hardlink attack". The
+session is given those initializers instead (``SessionOptions.add_external_initializers``), as
+read-only views of one memory map of the weights file, which the caller has hash-checked: the
+bytes on disk and in the page cache are the package's, once. Those views must outlive the session
+(``PackageWeights`` keeps them).
 """
 
 from __future__ import annotations
@@ -34,8 +29,6 @@ import numpy as np
 from .errors import ExportError
 
 LOCATION = "model.safetensors"  # the package's weights file, as an initializer's external location
-INLINE_LIMIT = 1 << 30  # derived tensors up to this many bytes are inlined into a session's graph bytes
-FOLDER_OPTION = "session.model_external_initializers_file_folder_path"
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
           "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
@@ -82,55 +75,6 @@ def uses_package(model) -> list:
     """The initializers of the ModelProto ``model`` whose data is the package's weights file."""
     return [t for t in model.graph.initializer if t.data_location == 1  # onnx.TensorProto.EXTERNAL
             and any(e.key == "location" and e.value == LOCATION for e in t.external_data)]
-
-
-def session_source(graph: str | Path, weights: str | Path | None, options) -> tuple[str | bytes, Any]:
-    """What an InferenceSession of ``graph`` is made from, with ``options`` set for it, and what
-    must live as long as the session: ``(path, None)`` for a graph that holds all its data itself;
-    for a bound graph that reads the package's ``weights``, the graph's bytes with its other
-    external tensors (the entry's derived data) inlined and ``options`` pointed at the package's
-    directory; past ``INLINE_LIMIT`` of derived data, ``(path, PackageWeights)`` given to ``options``.
-
-    Raises:
-        ExportError: the graph reads the package's weights and ``weights`` is not given, is not
-            the package's ``model.safetensors``, or a range lies outside that file.
-    """
-    # onnx: heavy, out of this module's import (the server imports it)
-    import onnx
-
-    graph = Path(graph)
-    model = onnx.load(str(graph), load_external_data=False)
-    if not uses_package(model):
-        return str(graph), None
-    if weights is None or Path(weights).name != LOCATION:
-        raise ExportError(f"{graph} reads {len(uses_package(model))} initializers from its package's {LOCATION}: "
-                          f"give the session that file (given: {weights})")
-    others = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL
-              and not any(e.key == "location" and e.value == LOCATION for e in t.external_data)]
-    if sum(int({e.key: e.value for e in t.external_data}.get("length", 0)) for t in others) > INLINE_LIMIT:
-        package = PackageWeights.of(graph, weights)
-        package.give(options)
-        return str(graph), package
-    _check_ranges(model, Path(weights))
-    for t in others:
-        info = {e.key: e.value for e in t.external_data}
-        with open(graph.parent / info["location"], "rb") as f:
-            f.seek(int(info.get("offset", 0)))
-            t.raw_data = f.read(int(info["length"]))
-        del t.external_data[:]
-        t.data_location = onnx.TensorProto.DEFAULT
-    options.add_session_config_entry(FOLDER_OPTION, str(Path(weights).resolve().parent))
-    return model.SerializeToString(), None
-
-
-def _check_ranges(model, weights: Path) -> None:
-    """Every range the graph reads from ``weights`` lies inside it."""
-    size = weights.stat().st_size
-    for t in uses_package(model):
-        info = {e.key: e.value for e in t.external_data}
-        offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
-        if length < 0 or not 0 <= offset <= size - length:
-            raise ExportError(f"{t.name}'s bytes ({offset}+{length}) are not in {weights} ({size} bytes)")
 
 
 @dataclass

@@ -23,8 +23,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from export.runtime import session_options
-from export.weights_file import session_source
+from export.runtime import session_options, with_package_weights
 from server.errors import ModelLoadError
 
 from server.backends.base import FunctionSpec, Rows
@@ -345,20 +344,20 @@ def ort_cuda_session(path: str | Path, *, device_id: int = 0, cuda_graph: bool =
     (``session.disable_cpu_ep_fallback``). That includes the shape-computation nodes the CUDA EP
     leaves on the CPU on purpose, so it is off by default; the caller checks ``get_providers()``.
     ``weights``: the package's weights file a bound graph reads initializers from
-    (``export.weights_file.session_source``).
+    (``export.runtime.with_package_weights``).
     """
     # onnxruntime: an optional extra, loaded only when a session is made
     import onnxruntime as ort
 
     opts = session_options(threads)
-    source, package = session_source(path, weights, opts)
+    package = with_package_weights(opts, path, weights)
     opts.use_deterministic_compute = True
     if strict_placement:
         opts.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     providers = [(CUDA_EP, ort_cuda_provider_options(device_id, cuda_graph))]
     try:
         with ort_quiet(ort):
-            session = ort.InferenceSession(source, sess_options=opts, providers=providers, enable_fallback=0)
+            session = ort.InferenceSession(str(path), sess_options=opts, providers=providers, enable_fallback=0)
         session.package_weights = package
         return session
     except Exception as e:  # noqa: BLE001 - ORT raises several types; one line names the file and cause

@@ -283,36 +283,3 @@ def test_a_bound_graph_needs_its_package_weights(monkeypatch, packages, tmp_path
     (other / "model.safetensors").write_bytes((a / "model.safetensors").read_bytes()[:4096])
     with pytest.raises(ExportError, match="are not in"):
         OnnxRuntimeBackend(files, weights=other / "model.safetensors")
-
-
-def test_a_bound_graph_is_opened_from_its_bytes_with_its_package_as_the_data_folder(monkeypatch, packages, tmp_path):
-    """A session of a bound graph is made from the graph's bytes, its derived tensors inlined and the
-    package's directory the folder ONNX Runtime reads the package's ranges from (ONNX Runtime then owns
-    them and keeps only the prepacked copy); past the inline limit, the ranges are handed over as views
-    of a memory map. Both give the same bits."""
-    import numpy as np
-    import onnx
-
-    from export import weights_file
-    from export.runtime import ort_session, session_options
-
-    a = packages["golden"]
-    files = exported_files(a, str(tmp_path / "cache"), "fp32", log=lambda *_: None)
-    graph = files[0]
-    weights = a / "model.safetensors"
-    opts = session_options()
-    source, keep = weights_file.session_source(graph, weights, opts)
-    assert isinstance(source, bytes) and keep is None
-    model = onnx.load_from_string(source)
-    external = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
-    assert external == {weights_file.LOCATION}
-    assert opts.get_session_config_entry(weights_file.FOLDER_OPTION) == str(a.resolve())
-
-    feeds = {i.name: np.random.default_rng(0).uniform(-1, 1, [2, *i.shape[1:]]).astype(np.float32)
-             for i in ort_session(graph, weights=weights).get_inputs()}
-    from_bytes = ort_session(graph, weights=weights).run(None, feeds)
-    monkeypatch.setattr(weights_file, "INLINE_LIMIT", -1)
-    fallback = ort_session(graph, weights=weights)
-    assert isinstance(fallback.package_weights, weights_file.PackageWeights)
-    for x, y in zip(from_bytes, fallback.run(None, feeds)):
-        assert np.array_equal(x, y)
