@@ -171,14 +171,16 @@ def write_structure(graph_file: Path, recipe: list[dict], out: Path) -> None:
     model, values = _initializer_values(graph_file)
     filled = {step["name"] for step in recipe}
     for init in model.graph.initializer:
+        if init.name not in filled and init.data_location != onnx.TensorProto.EXTERNAL:
+            continue  # inline already: kept as it is
+        # filled by a binding: no data; a constant of the graph's own read from outside: inline
+        raw = None if init.name in filled else np.ascontiguousarray(values[init.name]).tobytes()
         name, dims, dtype = init.name, list(init.dims), init.data_type
-        kept = None if name in filled or init.data_location != onnx.TensorProto.EXTERNAL else values[name]
-        if name in filled or kept is not None:
-            init.Clear()
-            init.name, init.data_type = name, dtype
-            init.dims.extend(dims)
-        if kept is not None:  # a constant of the graph's own, inline again
-            init.raw_data = np.ascontiguousarray(kept).tobytes()
+        init.Clear()
+        init.name, init.data_type = name, dtype
+        init.dims.extend(dims)
+        if raw is not None:
+            init.raw_data = raw
     onnx.save_model(model, str(out))
 
 

@@ -4,8 +4,8 @@
 onnxscript's ``optimize_ir``): it keeps that pass's constant folding, dead-node removal, constant
 lifting, deduplication and naming, and leaves out its pattern rewriter (``RewritePass`` with the
 default rules: Cast/Reshape/Transpose/Clip simplifications that ONNX Runtime's own graph
-optimiser also makes). That rewriter matches every rule against every node on each of its passes
-and took more than half of a 128-expert S/16 export (297 of 531 s, py-spy, docs/benchmarks.md).
+optimiser also makes). That rewriter matches every rule against every node on each of its passes,
+which on a graph of hundreds of experts was most of an export (docs/benchmarks.md, coldstart).
 
 ``fold_constant_gathers`` and ``token_means_as_matmuls`` change what the graph computes in ways
 the serving needs (prepackable expert weights; batch-invariant token means). ``only_outputs``

@@ -565,9 +565,7 @@ def _cut_from_routing(routing: ExportedFile, graph: Graph, path: Path, metadata:
     ops = op_inventory(path)
     log(f"wrote {path} ({graph.role}, cut from {routing.path.name}: {sum(ops.values())} nodes, "
         f"{'external data ' + routing.external_data.name if routing.external_data else 'weights inline'})")
-    results = [Verification(v.batch, v.output, v.max_abs_err, v.tol, v.own_routing_err, v.gate_err, v.gate_tol,
-                            v.bf16_effect, v.fp32_dispatch_err)
-               for v in routing.verification if v.output.split(" ")[0] in graph.outputs]
+    results = [v for v in routing.verification if v.output.split(" ")[0] in graph.outputs]
     return ExportedFile(graph.role, path, routing.external_data, ops, results)
 
 
