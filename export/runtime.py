@@ -4,6 +4,7 @@ the lowest CPU priority for work a serving process does beside its batches."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import os
 import sys
@@ -55,7 +56,18 @@ def ort_session(path: str | Path, threads: int | None = None, providers: list[st
     else:
         session = ort.InferenceSession(str(path), sess_options=opts, providers=providers or ["CPUExecutionProvider"])
     session.package_weights = package  # the memory the session reads its initializers from lives as long as it
+    give_back_freed_memory()
     return session
+
+
+def give_back_freed_memory() -> None:
+    """Return the heap freed so far to the kernel. glibc keeps freed chunks below its mmap threshold
+    in its arenas: ONNX Runtime copies the initializers it is handed and frees each copy it has
+    prepacked, which left soft-s16-e128's serving session with its weights' size twice in anonymous
+    memory until this call (docs/benchmarks.md, coldstart); an unloaded model's memory likewise."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def with_package_weights(options, path: str | Path, weights: str | Path | None) -> PackageWeights | None:

@@ -21,7 +21,9 @@ page cache beside it (``coldstart_read_s``: the file read twice, the second read
   with ``--clients N`` instead, N clients classify in a closed loop (digits: 8 clients, goal <= 2 s);
 * ``disk_over_weights``: the package's bytes plus the prepared cache's over the weight bytes (goal <= 1.1),
   and ``page_cache_over_weights``: the bytes of those files in the page cache once the prepared
-  server is ready, over the weight bytes (every byte a start reads is in it; it reads each once).
+  server is ready, over the weight bytes (every byte a start reads is in it; it reads each once);
+* ``prepared_anon_over_weights``: the prepared server's anonymous resident memory once ready (its
+  own copy of the weights, prepacked, beside the interpreter and its imports) over the weight bytes.
 """
 
 from __future__ import annotations
@@ -99,6 +101,12 @@ def cached_bytes(path: Path) -> int:
                 raise OSError(ctypes.get_errno(), f"mincore of {f}")
             total += min(len(m), page * sum(b & 1 for b in vec.raw))
     return total
+
+
+def anon_bytes(pid: int) -> int:
+    """RssAnon of ``pid`` (resident memory no file backs), in bytes."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return next(int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:"))
 
 
 def _start(args: str, log_path: Path) -> tuple[ServerProcess, float]:
@@ -202,11 +210,12 @@ def run(model: str = "soft-s16-e128", clients: int = 8, work: Path | None = None
         server, prepared_s = _start(f"--model a={package} --cache-dir {prepared_cache}", work / "coldstart-prepared.log")
         servers.append(server)
         paged = (cached_bytes(package) + cached_bytes(prepared_cache)) / weights
+        anon = anon_bytes(server.proc.pid) / weights
         server.stop()
         disk = (disk_bytes(package) + disk_bytes(prepared_cache)) / weights
         log(f"  softmoe prepare {prepare_s:.1f} s; then a fresh server ready after {prepared_s:.1f} s "
             f"({prepared_s / read_s:.1f}x the read); package + cache on disk {disk:.2f}x the weights, "
-            f"{paged:.2f}x in the page cache")
+            f"{paged:.2f}x in the page cache; anonymous memory {anon:.2f}x")
 
         repo = work / "coldstart-repository"
         shutil.rmtree(repo, ignore_errors=True)
@@ -236,7 +245,7 @@ def run(model: str = "soft-s16-e128", clients: int = 8, work: Path | None = None
                 "coldstart_prepared_over_read": round(prepared_s / read_s, 2),
                 "reload_new_weights_s": round(idle_s, 2), "reload_new_weights_loaded_s": round(loaded_s, 2),
                 "reload_new_weights_failures": failures, "disk_over_weights": round(disk, 3),
-                "page_cache_over_weights": round(paged, 3), **extra, "coldstart_model": model}
+                "page_cache_over_weights": round(paged, 3), "prepared_anon_over_weights": round(anon, 3), **extra, "coldstart_model": model}
     finally:
         for s in servers:
             s.stop()

@@ -19,7 +19,6 @@ idle (nothing queued, reserved or running). Every request has a deadline, so thi
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import gc
 import logging
@@ -33,6 +32,7 @@ import torch
 
 from export import cache_space
 from export.phases import Phases, recording
+from export.runtime import give_back_freed_memory
 from server.batching.batcher import Batcher
 from server.engine.models import ServedModel, attach_queues, load_served_model
 from server.engine.proofs import load_summary, warmup
@@ -367,11 +367,3 @@ def available_memory(device: str) -> int | None:
         if limit != "max":
             found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
     return min(found) if found else None
-
-
-def give_back_freed_memory() -> None:
-    """Return the freed heap to the kernel (glibc keeps freed arenas otherwise), so resident memory
-    after an unload falls back to what it was before the load."""
-    if os.name == "posix":
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)

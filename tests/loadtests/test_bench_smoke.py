@@ -74,7 +74,7 @@ KEYS = (
     # time to ready: nothing cached, prepared ahead, other weights loaded idle and under clients; disk
     "coldstart_read_s", "coldstart_first_s", "coldstart_prepare_s", "coldstart_prepared_s",
     "coldstart_prepared_over_read", "reload_new_weights_s", "reload_new_weights_loaded_s",
-    "reload_new_weights_failures", "reload_new_weights_digits_s", "disk_over_weights",
+    "reload_new_weights_failures", "reload_new_weights_digits_s", "disk_over_weights", "prepared_anon_over_weights",
     # the run
     "errors", "seconds",
 )
