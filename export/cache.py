@@ -113,15 +113,20 @@ def file_sha256(path: str | Path) -> str:
         return at_low_priority(_sha256, Path(path), False)
 
 
-def file_digest(path: str | Path) -> str:
+def file_digest(path: str | Path, load: bool = False) -> str:
     """The BLAKE3 digest (hex) of a file, hashed on every core at the lowest CPU priority (the
-    hashing threads take the nice of the thread that first starts them, ``at_low_priority``'s)."""
+    hashing threads take the nice of the thread that first starts them, ``at_low_priority``'s);
+    with ``load``, as load work beside served batches: on the one thread ``runtime.lower_for_load``
+    lowers (at nice 19 a package's weights took 18-27 s to hash beside batches at 70% of
+    saturation, docs/benchmarks.md)."""
     with phase("hash"):
+        if load:
+            return at_low_priority(_blake3, Path(path), False, 1, load=True)
         return at_low_priority(_blake3, Path(path), False)
 
 
-def _blake3(path: Path, fsync: bool) -> str:
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+def _blake3(path: Path, fsync: bool, threads: int = 0) -> str:
+    h = blake3.blake3(max_threads=threads or blake3.blake3.AUTO)
     if path.stat().st_size:
         h.update_mmap(path)
     if fsync:
@@ -140,13 +145,13 @@ def _sha256(path: Path, fsync: bool) -> str:
     return h.hexdigest()
 
 
-def package_digests(package: str | Path) -> dict[str, str]:
-    """The digest (``file_digest``) of every file of a model package an export reads: config.json,
-    the weights, and the labels and tokenizer files config.json names (both end up in the exported
-    metadata)."""
+def package_digests(package: str | Path, load: bool = False) -> dict[str, str]:
+    """The digest (``file_digest``, hashed as load work with ``load``) of every file of a model
+    package an export reads: config.json, the weights, and the labels and tokenizer files
+    config.json names (both end up in the exported metadata)."""
     package = Path(package)
     config = package / "config.json"
-    out = {"config.json": file_digest(config), "model.safetensors": file_digest(package / "model.safetensors")}
+    out = {"config.json": file_digest(config), "model.safetensors": file_digest(package / "model.safetensors", load)}
     try:
         meta = json.loads(config.read_text())
     except (OSError, ValueError):

@@ -1,5 +1,5 @@
 """ONNX Runtime sessions configured the same way for verification, benchmarks and serving, and
-the lowest CPU priority for work a serving process does beside its batches."""
+the lower CPU priority of the work a serving process does beside its batches."""
 
 from __future__ import annotations
 
@@ -127,7 +127,8 @@ class BackgroundBuiltSession:
     takes both steps in one call, so they are taken here, one by one, on the binding it wraps
     (``onnxruntime.capi._pybind_state.InferenceSession``): the construction on the calling thread,
     so the intra-op threads that serve later keep its priority, then the set-up
-    (``initialize_session``, which releases the GIL) on a thread at nice 19 (``at_low_priority``).
+    (``initialize_session``, which releases the GIL) on a thread lowered for load work
+    (``at_low_priority(..., load=True)``: nice ``LOAD_NICE`` on one CPU).
     It answers the calls the backends make on a session; its outputs are those of an
     ``InferenceSession`` of the same file and options (tests/export/test_runtime.py)."""
 
@@ -136,7 +137,7 @@ class BackgroundBuiltSession:
         from onnxruntime.capi import _pybind_state as binding
 
         self._sess = binding.InferenceSession(options, str(path), True, False)
-        at_low_priority(self._sess.initialize_session, list(providers), [{} for _ in providers], set())
+        at_low_priority(self._sess.initialize_session, list(providers), [{} for _ in providers], set(), load=True)
         self._inputs = self._sess.inputs_meta
         self._outputs = self._sess.outputs_meta
 
@@ -160,17 +161,45 @@ class BackgroundBuiltSession:
         return self._sess.model_meta
 
 
-def at_low_priority(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` on a thread of its own at the lowest CPU priority (Linux: nice 19), waited
-    for; what it raises is raised here. A server that loads a model while it serves hashes
+# The nice value of the work a serving process does to load a model beside the batches it serves
+# (the binding or export child, the sessions' set-up), which also runs on one CPU only
+# (``lower_for_load``). On one CPU it slows at most one intra-op thread of a batch, whatever the
+# core count; nice 5 gives it about a quarter of that CPU against a batch thread. soft-s16-e128's
+# new weights at 70% of saturation on 2 cores (docs/benchmarks.md, coldstart): nice 19 on any CPU
+# waited for CPU the batches never left (1,356.8 s, p99 during the load 1.01x the steady one);
+# nice 5 on one CPU 87.9-90.1 s at 1.28-1.42x; nice 3 58.1 s at 3.01x and nice 0 48.6 s at 3.35x,
+# where the served capacity fell to the offered load and the queue grew.
+LOAD_NICE = 5
+
+
+def lower_for_load() -> None:
+    """Lower the calling thread to load work's priority: nice ``LOAD_NICE`` (raised, never
+    lowered) on the last CPU this process may use. Threads it starts later inherit both; called
+    first thing in a child process, it holds for the whole child."""
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        os.setpriority(os.PRIO_PROCESS, tid, max(LOAD_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(tid, {max(os.sched_getaffinity(0))})
+
+
+def at_low_priority(fn: Callable[..., Any], *args: Any, load: bool = False) -> Any:
+    """``fn(*args)`` on a thread of its own, waited for; what it raises is raised here. The thread
+    runs at the lowest CPU priority (Linux: nice 19), or, with ``load``, as load work beside
+    served batches (``lower_for_load``). A server that loads a model while it serves hashes
     gigabytes of weights and cached graphs: at nice 19 that work takes only the CPU time the
-    served batches leave. The thread is new each time because an unprivileged thread cannot lower
-    its nice value again, and no other thread should keep 19."""
+    served batches leave; a session's set-up is several CPU-seconds that would wait for minutes
+    there. The thread is new each time because an unprivileged thread cannot lower its nice
+    value again, and no other thread should keep it."""
     out: list[Any] = []
     failed: list[BaseException] = []
 
     def low() -> None:
-        if sys.platform == "linux":
+        if load:
+            lower_for_load()
+        elif sys.platform == "linux":
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:

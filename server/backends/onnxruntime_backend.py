@@ -58,11 +58,13 @@ GRAPH_FORMAT = 7
 # weights: about 4 GB more). The child costs a first start a few seconds of imports.
 # loadtests/export_memory.py compares the two ways by setting it.
 EXPORT_IN_CHILD_BYTES = 0
-# Packages whose weights are at least this large are exported at the lowest CPU priority (nice 19):
-# a new version of a large model exports for minutes, which a server that serves meanwhile cannot
-# give from its batches' time. A small one exports in seconds of CPU at the server's priority:
-# at nice 19 those seconds wait for CPU a busy server never leaves (digits, 12 CPU-seconds: a
-# reload under 16 closed-loop clients took 244 s at nice 19).
+# Packages whose weights are at least this large are exported or bound at a lower CPU priority:
+# beside served batches as load work (``export.runtime.lower_for_load``: nice 5 on one CPU),
+# otherwise at nice 19. A new version of a large model binds for CPU-seconds or exports for
+# minutes, which a server that serves meanwhile cannot give from all its batches' time. A small
+# one exports in seconds of CPU at the server's priority: at nice 19 those seconds wait for CPU a
+# busy server never leaves (digits, 12 CPU-seconds: a reload under 16 closed-loop clients took
+# 244 s at nice 19).
 LOW_PRIORITY_EXPORT_BYTES = 256 * 2**20
 # Packages whose weights are at least this large have their weights bound in a child process too
 # (export.binding: the module and the graph's proto held at once); a small one's binding is a
@@ -72,7 +74,7 @@ ROUTING_OUTPUTS = frozenset(SOFT_ROUTING_OUTPUTS) | frozenset(SPARSE_ROUTING_OUT
 
 
 def exported_files(package: Path, cache_dir: str, precision: str, log=print, device: str = "cpu",
-                   routing: bool = True) -> list[Path]:
+                   routing: bool = True, beside_batches: bool = False) -> list[Path]:
     """The package's ONNX graphs (split towers), exported and verified once per key, then reused.
     With ``routing``, the entry also holds ``model.routing.onnx`` (image models with Soft MoE
     layers), which is not listed: ``OnnxRuntimeBackend`` finds it beside the graph it extends.
@@ -94,6 +96,10 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     keeps only the tensors that file does not hold as the graphs take them (transposed ones) in
     ``model.derived.data``. A session of these graphs is given that file (``OnnxRuntimeBackend``'s
     ``weights``, ``export.runtime.ort_session``'s).
+
+    ``beside_batches``: the process serves batches meanwhile; the package's weights are hashed,
+    and a child that binds or exports a large package runs, as load work
+    (``export.runtime.lower_for_load``).
     """
     # onnxruntime: an optional extra; the engine imports this module whatever the backend
     import onnxruntime
@@ -103,7 +109,7 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     experts = "batched" if device == "cuda" else "per-expert"
     settings = dict(opset=exporter.DEFAULT_OPSET, precision=precision, experts=experts, towers="split",
                     dynamic_batch=True, verify_batches=(1, 4), routing=routing)
-    digests = cache.package_digests(package)
+    digests = cache.package_digests(package, load=beside_batches)
     inputs = {
         "artifact": "onnx",
         "graph_format": GRAPH_FORMAT,
@@ -127,7 +133,7 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
         child = _weight_bytes(package) >= EXPORT_IN_CHILD_BYTES
         found = cache.lookup(structure_root, structure_key, log=log)
         if found is not None and found.meta.get("bindable"):
-            names = _bound(package, found.path, tmp, known, log)
+            names = _bound(package, found.path, tmp, known, log, beside_batches)
             if names is not None:
                 return names
         elif found is not None:
@@ -138,7 +144,8 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
         scratch, staging = tmp / ".export", tmp / ".structure"  # the exported graphs, then their structure
         with phase("export"):
             if child:
-                names = _in_child("export", package, scratch / "model.onnx", known, staging, bound=tmp)
+                names = _in_child("export", package, scratch / "model.onnx", known, staging, bound=tmp,
+                                  beside_batches=beside_batches)
             else:
                 detail = logging.getLogger("softmoe.export").debug  # per-output verification lines
                 files = exporter.export_onnx(package, scratch / "model.onnx", log=detail, structure_out=staging,
@@ -164,7 +171,8 @@ def exported_files(package: Path, cache_dir: str, precision: str, log=print, dev
     return [entry.files[name] for name in entry.meta if not name.endswith(".routing.onnx")]
 
 
-def _bound(package: Path, structure: Path, tmp: Path, settings: dict, log) -> list[str] | None:
+def _bound(package: Path, structure: Path, tmp: Path, settings: dict, log, beside_batches: bool = False
+           ) -> list[str] | None:
     """The package's weights bound into the graphs of ``structure`` and verified, written into
     ``tmp`` (in a child process for a large package): the file names; None, with ``tmp`` emptied and
     the reason logged, where that fails and the package is to be exported instead."""
@@ -172,7 +180,7 @@ def _bound(package: Path, structure: Path, tmp: Path, settings: dict, log) -> li
     log(f"binding {package}'s weights into {structure} (graphs of the same structure) and verifying them")
     try:
         with phase("bind"):
-            names = _in_child("bind", package, tmp / "model.onnx", settings, structure) \
+            names = _in_child("bind", package, tmp / "model.onnx", settings, structure, beside_batches=beside_batches) \
                 if _weight_bytes(package) >= BIND_IN_CHILD_BYTES else \
                 [f.path.name for f in exporter.bind_onnx(package, structure, tmp / "model.onnx",
                                                          log=logging.getLogger("softmoe.export").debug, **settings)]
@@ -206,16 +214,18 @@ def _weight_bytes(package: Path) -> int:
     return sum(f.stat().st_size for f in Path(package).glob("*.safetensors"))
 
 
-def _in_child(mode: str, package: Path, out: Path, settings: dict, structure: Path, bound: Path | None = None
-              ) -> list[str]:
+def _in_child(mode: str, package: Path, out: Path, settings: dict, structure: Path, bound: Path | None = None,
+              beside_batches: bool = False) -> list[str]:
     """``export_onnx`` (``mode`` export, writing the structure into ``structure`` and the graphs
     bound to the package's weights into ``bound``) or ``bind_onnx``
     (``mode`` bind, from ``structure``) in a child interpreter (``python -c``, not multiprocessing,
     which would re-run an unguarded main script): its memory goes back to the OS when it exits.
-    Returns the file names it wrote; its failure, or its death (killed for memory), is one
+    A large package's child runs at nice 19, or as load work ``beside_batches``
+    (``LOW_PRIORITY_EXPORT_BYTES``). Returns the file names it wrote; its failure, or its death (killed for memory), is one
     ``ExportError``."""
-    nice = 19 if _weight_bytes(package) >= LOW_PRIORITY_EXPORT_BYTES else 0
-    args = json.dumps({"mode": mode, "package": str(package), "out": str(out), "settings": settings, "nice": nice,
+    large = _weight_bytes(package) >= LOW_PRIORITY_EXPORT_BYTES
+    args = json.dumps({"mode": mode, "package": str(package), "out": str(out), "settings": settings,
+                       "nice": 19 if large and not beside_batches else 0, "load": large and beside_batches,
                        "structure": str(structure), "bound": str(bound) if bound else None})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # what this process imports
     r = subprocess.run([sys.executable, "-c", _CHILD, args], capture_output=True, text=True,
@@ -234,6 +244,9 @@ _CHILD = """
 import json, os, sys
 args = json.loads(sys.argv[1])
 os.nice(args["nice"])
+if args["load"]:
+    from export.runtime import lower_for_load
+    lower_for_load()
 try:
     from export.onnx import bind_onnx, export_onnx
     if args["mode"] == "bind":
@@ -275,7 +288,7 @@ class OnnxRuntimeBackend:
             lone_threads: on cpu, wide lone calls (``--wide-lone-batches``): the intra-op threads
                 of every session (0: ``threads``); the image function that has a routing graph may
                 also run beside other calls on it (``narrow`` names it).
-            background: on cpu, each session is set up at the lowest CPU priority, its intra-op
+            background: on cpu, each session is set up as load work (``export.runtime.lower_for_load``), its intra-op
                 threads at the caller's (``export.runtime.BackgroundBuiltSession``): the engine
                 asks for it when it loads a model while it serves.
             weights: the package's ``model.safetensors``, which graphs ``exported_files`` bound

@@ -207,6 +207,28 @@ class Batcher:
         with self._cond:
             return all(not q.items and not q.reserved and not q.running for q in queues)
 
+    def between(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the calling thread with no call running beside it: it waits for the calls
+        in progress to end, and none starts until it returns. A new version's warm-up calls take
+        their turn between the served batches this way instead of sharing the cores with them."""
+        with self._cond:
+            while self._alone:
+                self._cond.wait()
+            self._alone = True
+            while self._running > 0:
+                self._cond.wait()
+        try:
+            return fn()
+        finally:
+            with self._cond:
+                self._alone = False
+                self._cond.notify_all()
+
+    def served_within(self, seconds: float) -> bool:
+        """A call runs now, or one ended less than ``seconds`` ago."""
+        with self._cond:
+            return self._running > 0 or (self._free_at > 0 and time.perf_counter() - self._free_at < seconds)
+
     @property
     def workers(self) -> int:
         return len(self._threads)

@@ -47,6 +47,11 @@ READY, UNAVAILABLE, LOADING, UNLOADING = "READY", "UNAVAILABLE", "LOADING", "UNL
 # A served copy of a package costs about its weight bytes again beside them in resident memory
 # (docs/benchmarks.md, the memory section); the room asked for a new version beside the old.
 ROOM_PER_WEIGHT_BYTE = 1.3
+# A model loads as load work beside batches (at a lower priority, on one CPU: its child and its
+# sessions' set-up, ``export.runtime.lower_for_load``) while other models are served: while a
+# batch ran within this many seconds. On a server that serves nothing meanwhile it takes every
+# core, the way a first start does (soft-s16-e128's new weights on 2 idle cores: docs/benchmarks.md).
+SERVING_WITHIN_S = 10.0
 
 
 @dataclasses.dataclass
@@ -274,11 +279,12 @@ class Engine:
 
     def _build(self, name: str, spec: str, serving: ServedModel | None) -> ServedModel:
         """The new version, attached and warmed (inheriting ``serving``'s start-up findings where
-        ``proofs.carries``); while other models serve, its backend is set up at low priority."""
-        model = self.open(f"{name}={spec}", background=bool(self.models))
+        ``proofs.carries``); while other models serve batches, its backend is built as load work."""
+        beside = bool(self.models) and self.batcher.served_within(SERVING_WITHIN_S)
+        model = self.open(f"{name}={spec}", background=beside)
         try:
             self.attach(model)
-            warmup(model, self.settings, self.say, serving=serving)
+            warmup(model, self.settings, self.say, serving=serving, between=self.batcher.between)
         except BaseException:
             self._release(model)
             raise

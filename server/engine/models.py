@@ -346,7 +346,7 @@ def _backend_for_package(path: Path, settings: Settings, log, background: bool =
                                 batch_invariant=settings.strict_determinism and settings.proven_shapes)
     if settings.backend == "onnxruntime":
         files = exported_files(path, settings.cache_dir, precision, log=log, device=settings.device,
-                               routing=settings.routing)
+                               routing=settings.routing, beside_batches=background)
         with phase("session"):
             return OnnxRuntimeBackend(files, device=settings.device, max_batch_size=settings.max_batch_size,
                                       threads=backend_threads(settings), cuda_graph=settings.ort_cuda_graph,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -31,22 +32,24 @@ from server.engine.models import ServedModel, backend_threads, total_threads, wi
 from server.settings import Settings
 
 
-def warmup(model: ServedModel, settings: Settings, log=print, serving: ServedModel | None = None) -> None:
+def warmup(model: ServedModel, settings: Settings, log=print, serving: ServedModel | None = None,
+           between: Callable[[Callable[[], Any]], Any] | None = None) -> None:
     """Every batch shape the server will run: the proven padded shapes (strict) or 1..max (loose);
     then the proofs, whose lines go to the debug log, and one line for ``log`` that says how the
     model is served (``serving_line``) and where its load time went (``ServedModel.phases``).
     ``serving``: the version of this model that serves now, whose findings this one inherits when
     ``carries`` says so (then every shape is warmed once); without one, the findings kept on this
-    kind of machine (``proof_cache``) are read, or proven and kept."""
+    kind of machine (``proof_cache``) are read, or proven and kept. ``between``: what runs each
+    warming call of inherited or kept findings (``Batcher.between``: between served batches)."""
     started = time.perf_counter()
     with recording(model.phases):
         if settings.warmup:
             detail = logging.getLogger("softmoe.startup").debug
             kept = None if serving is not None and carries(serving, model) else proof_cache.read(model, settings, log)
             if serving is not None and carries(serving, model):
-                inherit(serving, model, settings, detail)
+                inherit(serving, model, settings, detail, between)
             elif kept is not None:
-                adopt(model, kept[0], settings)
+                adopt(model, kept[0], settings, between)
                 model.proofs_from = str(kept[1])
                 detail(f"{model.name}: start-up proofs and measurements read from {kept[1]}; every shape warmed")
             else:
@@ -88,9 +91,10 @@ def carries(serving: ServedModel, model: ServedModel) -> bool:
     return mine is not None and serving.kind == model.kind and mine == structure_of(serving.backend)
 
 
-def inherit(serving: ServedModel, model: ServedModel, settings: Settings, log=print) -> None:
+def inherit(serving: ServedModel, model: ServedModel, settings: Settings, log=print,
+            between: Callable[[Callable[[], Any]], Any] | None = None) -> None:
     """``serving``'s findings for ``model`` (``carries`` holds), then every shape warmed (``adopt``)."""
-    adopt(model, findings(serving), settings)
+    adopt(model, findings(serving), settings, between)
     model.inherited = True
     log(f"{model.name}: the serving version's proofs and measurements hold for this one (the same graphs, "
         f"weights aside, on the same runtime and threads); every shape warmed")
@@ -106,10 +110,11 @@ def findings(model: ServedModel) -> dict:
             "routing": None if state is None else {"shared": state.shared, "beside": state.beside, "why": state.why}}
 
 
-def adopt(model: ServedModel, found: dict, settings: Settings) -> None:
+def adopt(model: ServedModel, found: dict, settings: Settings,
+          between: Callable[[Callable[[], Any]], Any] | None = None) -> None:
     """``found`` (``findings`` of a model of the same structure) as ``model``'s own; then every
     shape of every function run once on its backend (once per session: ``warming_calls``), so no
-    request meets a cold shape."""
+    request meets a cold shape; each call by ``between`` where given."""
     for fn, queue in model.queues.items():
         if fn in found["shapes"]:
             queue.shapes = tuple(int(s) for s in found["shapes"][fn])
@@ -127,7 +132,11 @@ def adopt(model: ServedModel, found: dict, settings: Settings) -> None:
 
     with phase("warm-up"):
         for fn, spec, size in warming_calls(model.backend, sizes):
-            model.backend.run(fn, random_rows(spec, size, rng, model.vocab_size))
+            rows = random_rows(spec, size, rng, model.vocab_size)
+            if between is None:
+                model.backend.run(fn, rows)
+            else:
+                between(lambda fn=fn, rows=rows: model.backend.run(fn, rows))
 
 
 def serving_line(model: ServedModel, settings: Settings) -> str:

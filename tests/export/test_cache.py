@@ -8,7 +8,9 @@ import json
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -389,3 +391,24 @@ def test_hashing_runs_on_a_low_priority_thread_and_raises_in_the_caller(tmp_path
     assert cache.file_sha256(tmp_path / "w") == hashlib.sha256(data).hexdigest()
     with pytest.raises(FileNotFoundError):
         cache.file_sha256(tmp_path / "missing")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values and CPUs are Linux's")
+def test_a_digest_as_load_work_is_the_same_and_hashed_on_one_lowered_thread(tmp_path, monkeypatch):
+    from export import cache, runtime
+
+    data = os.urandom(3 * cache.CHUNK + 5)
+    (tmp_path / "w").write_bytes(data)
+    whole = cache.file_digest(tmp_path / "w")
+    seen = {}
+    real = cache._blake3
+
+    def probe(path, fsync, threads=0):
+        tid = threading.get_native_id()
+        seen.update(nice=os.getpriority(os.PRIO_PROCESS, tid), cpus=os.sched_getaffinity(tid), threads=threads)
+        return real(path, fsync, threads)
+
+    monkeypatch.setattr(cache, "_blake3", probe)
+    assert cache.file_digest(tmp_path / "w", load=True) == whole
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == {"nice": max(runtime.LOAD_NICE, mine), "cpus": {max(os.sched_getaffinity(0))}, "threads": 1}

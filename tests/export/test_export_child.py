@@ -68,6 +68,19 @@ def test_a_large_package_exports_at_the_lowest_priority_and_a_small_one_at_the_s
     assert ob._in_child("export", pkg, tmp_path / "model.onnx", {}, tmp_path / "s") == [19]
     monkeypatch.setattr(ob, "LOW_PRIORITY_EXPORT_BYTES", 1 << 62)
     assert ob._in_child("export", pkg, tmp_path / "model.onnx", {}, tmp_path / "s") == [mine]
+    assert ob._in_child("export", pkg, tmp_path / "model.onnx", {}, tmp_path / "s", beside_batches=True) == [mine]
+
+
+def test_a_large_package_beside_served_batches_binds_as_load_work_on_one_cpu(monkeypatch, pkg, tmp_path):
+    import os
+
+    from export.runtime import LOAD_NICE
+
+    preamble = ob._CHILD.split("try:")[0]
+    monkeypatch.setattr(ob, "_CHILD", preamble + "print(json.dumps([os.nice(0), sorted(os.sched_getaffinity(0))]))")
+    monkeypatch.setattr(ob, "LOW_PRIORITY_EXPORT_BYTES", 1)
+    nice, cpus = ob._in_child("bind", pkg, tmp_path / "model.onnx", {}, tmp_path / "s", beside_batches=True)
+    assert nice == max(LOAD_NICE, os.nice(0)) and cpus == [max(os.sched_getaffinity(0))]
 
 
 def test_export_memory_bench_runs(tmp_path):

@@ -35,17 +35,21 @@ def _nice(tid: int) -> int:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
-def test_a_background_session_is_set_up_at_nice_19_and_serves_from_threads_at_the_callers(tmp_path, monkeypatch):
+def test_a_background_session_is_set_up_as_load_work_and_serves_from_threads_at_the_callers(tmp_path, monkeypatch):
+    """Set up at nice LOAD_NICE on one CPU (or lower, were the caller lower); its intra-op threads
+    keep the caller's nice value and CPUs."""
     rng = np.random.default_rng(0)
     path = _graph(tmp_path / "m.onnx", rng.standard_normal((16, 16)))
     seen = {}
     real = runtime.at_low_priority
 
-    def spy(fn, *args):
+    def spy(fn, *args, **kw):
         def probe(*a):
-            seen["setup_nice"], seen["setup_tid"] = _nice(threading.get_native_id()), str(threading.get_native_id())
+            tid = threading.get_native_id()
+            seen["setup_nice"], seen["setup_tid"] = _nice(tid), str(tid)
+            seen["setup_cpus"] = os.sched_getaffinity(tid)
             return fn(*a)
-        return real(probe, *args)
+        return real(probe, *args, **kw)
 
     monkeypatch.setattr(runtime, "at_low_priority", spy)
     before = set(os.listdir("/proc/self/task"))
@@ -53,9 +57,11 @@ def test_a_background_session_is_set_up_at_nice_19_and_serves_from_threads_at_th
     session = runtime.ort_session(path, threads=3, background=True)
     # the set-up thread has ended, but its task can outlive the join by a moment
     started = set(os.listdir("/proc/self/task")) - before - {seen["setup_tid"]}
-    assert seen["setup_nice"] == 19
+    assert seen["setup_nice"] == max(runtime.LOAD_NICE, mine)
+    assert seen["setup_cpus"] == {max(os.sched_getaffinity(0))}
     assert started, "three intra-op threads: two started by the session"
     assert {_nice(int(t)) for t in started} == {mine}  # the threads that serve keep the caller's priority
+    assert all(os.sched_getaffinity(int(t)) == os.sched_getaffinity(0) for t in started)
 
     plain = runtime.ort_session(path, threads=3)
     x = rng.standard_normal((5, 16)).astype(np.float32)

@@ -544,3 +544,42 @@ def test_backend_returning_too_few_rows_fails_its_items_and_keeps_the_worker():
     assert all(not isinstance(o, BaseException) for o in outcomes)
     assert np.array_equal(later.outputs["y"], np.full(3, 2.0, np.float32))
     assert dead is None
+
+
+def test_between_waits_for_the_call_in_progress_and_no_call_starts_beside_it(make):
+    """``Batcher.between`` (a new version's warm-up calls between the served batches): it waits for
+    the running call, and with two workers free no item starts until it returns; then they do."""
+    order: list[str] = []
+    gate = threading.Event()
+    fn = FakeFn(gate=gate, log=order)
+    b, q = make(fn, max_batch_size=1, workers=2)
+    b.start()
+    inside, release = threading.Event(), threading.Event()
+
+    def warm() -> str:
+        order.append("warm")
+        inside.set()
+        assert release.wait(HANG)
+        return "warmed"
+
+    async def main():
+        first = b.submit(q, row(1.0), HANG)
+        await wait_event(fn.entered)
+        got: list[str] = []
+        thread = threading.Thread(target=lambda: got.append(b.between(warm)))
+        thread.start()
+        assert not inside.wait(0.2), "between ran beside a call in progress"
+        gate.set()
+        await outcome(first)
+        await wait_event(inside)
+        fn.entered.clear()
+        second = b.submit(q, row(2.0), HANG)
+        assert not fn.entered.wait(0.2), "a call started beside between's"
+        release.set()
+        thread.join(HANG)
+        assert got == ["warmed"]
+        return await outcome(second)
+
+    result = asyncio.run(main())
+    np.testing.assert_array_equal(result.outputs["y"], row(2.0)["x"] * 2)
+    assert order == ["fn", "warm", "fn"]

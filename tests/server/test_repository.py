@@ -287,10 +287,13 @@ def test_a_new_version_that_does_not_fit_is_refused_before_building(tmp_path, mo
 
 def test_a_next_version_of_the_same_graphs_inherits_the_start_up_findings(tmp_path, packages, monkeypatch):
     """ONNX Runtime: a version whose graphs differ only in their weights inherits the serving one's
-    proofs and measurements (none is run again; its sessions set up at low priority, every shape
-    warmed) and answers with its own weights; a model of other graphs under the name proves anew."""
+    proofs and measurements (none is run again; every shape warmed; while batches are served its
+    sessions are set up as load work) and answers with its own weights; a model of other graphs
+    under the name proves anew, and with no batch served lately it is set up at full speed."""
+    import asyncio
+
     from export.runtime import BackgroundBuiltSession
-    from server.engine import proofs
+    from server.engine import core, proofs
     from server.engine.core import Engine
     from server.engine.startup import load_models
     from server.metrics import Metrics
@@ -312,6 +315,11 @@ def test_a_next_version_of_the_same_graphs_inherits_the_start_up_findings(tmp_pa
         structure = first.backend.structure()
         x = np.random.default_rng(0).uniform(-1, 1, (8, 3, 8, 8)).astype(np.float32)
         old_logits = first.backend.run("classify", {"pixel_values": x})["logits"]
+
+        async def served() -> None:  # one request through the batcher: batches are being served
+            await engine.batcher.submit(first.queues["classify"], {"pixel_values": x[0]}, 30)
+
+        asyncio.run(served())
         new = engine.load("a", str(other_version(tmp_path / "v2")))
         assert new.inherited and not proved
         assert isinstance(new.backend.sessions["classify"], BackgroundBuiltSession)
@@ -321,8 +329,10 @@ def test_a_next_version_of_the_same_graphs_inherits_the_start_up_findings(tmp_pa
         new_logits = engine.models["a"].queues["classify"].fn({"pixel_values": x})["logits"]
         np.testing.assert_allclose(new_logits - old_logits, np.broadcast_to(0.5 * np.arange(10), (8, 10)), atol=1e-5)
 
+        monkeypatch.setattr(core, "SERVING_WITHIN_S", 0.0)  # no batch served lately
         other = engine.load("a", str(packages["golden"]))  # a Soft MoE classifier: other graphs
         assert not other.inherited and proved == ["prove_shapes", "prove_routing", "check_concurrent_batches"]
+        assert not any(isinstance(s, BackgroundBuiltSession) for s in other.backend.sessions.values())
         assert other.backend.structure() != new.backend.structure()
     finally:
         engine.close()
