@@ -116,6 +116,7 @@ async def _serve(server: DrainingServer, sock: socket.socket) -> None:
         host, port = sock.getsockname()[:2]
         grpc = await _start_grpc(app, server.config.timeout_graceful_shutdown)
         loop = type(asyncio.get_running_loop())
+        sock.listen(server.config.backlog)  # before the line says so: uvicorn's own listen() comes later
         log.info("listening on http://%s:%d (event loop %s.%s, http %s)%s", f"[{host}]" if ":" in host else host, port,
                  loop.__module__, loop.__name__, _http_parser(server.config.http),
                  f", grpc on port {grpc.port}" if grpc else "")
@@ -284,6 +285,7 @@ async def _serve_frontend(settings: Settings, index: int, sock: socket.socket, p
             raise StartupError(f"front end {index}: start-up failed: {describe(e)}") from None
         # Every front end serves gRPC on the port too, the kernel spreading connections (SO_REUSEPORT).
         grpc = await _start_grpc(app, server.config.timeout_graceful_shutdown, reuse_port=True)
+        sock.listen(server.config.backlog)  # before the supervisor's line says so: uvicorn's comes later
         tell(report, ("ready", os.getpid()))
         try:
             await server.serve(sockets=[sock])

@@ -239,6 +239,47 @@ def test_lifespan_failure_is_a_startup_error():
     assert not server.started
 
 
+def test_the_listening_line_comes_once_the_socket_takes_connections(monkeypatch):
+    """"listening on" is what tools wait for: a client that connects at that line is not refused
+    (the socket listens before the line, not when uvicorn gets to it)."""
+    import socket
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from server import run
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+
+    async def no_grpc(*a, **k):
+        return None
+
+    async def served(*a, **k):  # uvicorn's serving itself is not what is tested
+        return None
+
+    seen = {}
+    real_info = run.log.info
+
+    def info(message, *args, **kw):
+        if message.startswith("listening on"):
+            with socket.socket() as client:
+                seen["connect"] = client.connect_ex(sock.getsockname()[:2])
+        return real_info(message, *args, **kw)
+
+    server = run.DrainingServer(uvicorn.Config(FastAPI(lifespan=lifespan), lifespan="off"), drain_seconds=0)
+    sock = run.bind_socket("127.0.0.1", 0)
+    monkeypatch.setattr(run, "_start_grpc", no_grpc)
+    monkeypatch.setattr(server, "serve", served)
+    monkeypatch.setattr(run.log, "info", info)
+    try:
+        asyncio.run(run._serve(server, sock))
+    finally:
+        sock.close()
+    assert seen == {"connect": 0}
+
+
 def test_serves_on_uvloop_and_httptools_without_access_log(tmp_path):
     """uvloop and httptools are what uvicorn picks (locked dependencies); the start line says so,
     and no per-request access line is logged (the server's own metrics and request ids stand in)."""
