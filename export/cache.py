@@ -117,8 +117,7 @@ def file_digest(path: str | Path, load: bool = False) -> str:
     """The BLAKE3 digest (hex) of a file, hashed on every core at the lowest CPU priority (the
     hashing threads take the nice of the thread that first starts them, ``at_low_priority``'s);
     with ``load``, as load work beside served batches: on the one thread ``runtime.lower_for_load``
-    lowers (at nice 19 a package's weights took 18-27 s to hash beside batches at 70% of
-    saturation, docs/benchmarks.md)."""
+    lowers, where nice 19 would wait for CPU busy batches rarely leave (docs/benchmarks.md)."""
     with phase("hash"):
         if load:
             return at_low_priority(_blake3, Path(path), False, 1, load=True)

@@ -557,7 +557,7 @@ def _cut_from_routing(routing: ExportedFile, graph: Graph, path: Path, metadata:
     plain outputs (``graph_passes.only_outputs``), written to ``path``; it reads the routing graph's
     external data. Its verification is the routing graph's on those outputs: the same nodes on the
     same initializers."""
-    # onnx: heavy, only an export needs it (the server imports this module)
+    # onnx_ir and onnxscript: heavy, only an export needs them (the server imports this module)
     from . import graph_passes
 
     graph_passes.only_outputs(routing.path, path, graph.outputs, f"softmoe_{graph.role.replace('-', '_')}", metadata)

@@ -166,7 +166,7 @@ class BackgroundBuiltSession:
 # (``lower_for_load``). On one CPU it slows at most one intra-op thread of a batch, whatever the
 # core count; nice 5 gives it about a quarter of that CPU against a batch thread. soft-s16-e128's
 # new weights at 70% of saturation on 2 cores (docs/benchmarks.md, coldstart): nice 19 on any CPU
-# waited for CPU the batches never left (1,356.8 s, p99 during the load 1.01x the steady one);
+# waited for CPU the batches never left (1,356.8 s, p99 during the load 1.27x the steady one);
 # nice 5 on one CPU 87.9-90.1 s at 1.28-1.42x; nice 3 58.1 s at 3.01x and nice 0 48.6 s at 3.35x,
 # where the served capacity fell to the offered load and the queue grew.
 LOAD_NICE = 5

@@ -245,7 +245,8 @@ def run(model: str = "soft-s16-e128", clients: int = 8, work: Path | None = None
                 "coldstart_prepared_over_read": round(prepared_s / read_s, 2),
                 "reload_new_weights_s": round(idle_s, 2), "reload_new_weights_loaded_s": round(loaded_s, 2),
                 "reload_new_weights_failures": failures, "disk_over_weights": round(disk, 3),
-                "page_cache_over_weights": round(paged, 3), "prepared_anon_over_weights": round(anon, 3), **extra, "coldstart_model": model}
+                "page_cache_over_weights": round(paged, 3), "prepared_anon_over_weights": round(anon, 3), **extra,
+                "coldstart_model": model}
     finally:
         for s in servers:
             s.stop()

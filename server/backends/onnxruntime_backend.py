@@ -221,8 +221,8 @@ def _in_child(mode: str, package: Path, out: Path, settings: dict, structure: Pa
     (``mode`` bind, from ``structure``) in a child interpreter (``python -c``, not multiprocessing,
     which would re-run an unguarded main script): its memory goes back to the OS when it exits.
     A large package's child runs at nice 19, or as load work ``beside_batches``
-    (``LOW_PRIORITY_EXPORT_BYTES``). Returns the file names it wrote; its failure, or its death (killed for memory), is one
-    ``ExportError``."""
+    (``LOW_PRIORITY_EXPORT_BYTES``). Returns the file names it wrote; its failure, or its death
+    (killed for memory), is one ``ExportError``."""
     large = _weight_bytes(package) >= LOW_PRIORITY_EXPORT_BYTES
     args = json.dumps({"mode": mode, "package": str(package), "out": str(out), "settings": settings,
                        "nice": 19 if large and not beside_batches else 0, "load": large and beside_batches,
@@ -288,9 +288,10 @@ class OnnxRuntimeBackend:
             lone_threads: on cpu, wide lone calls (``--wide-lone-batches``): the intra-op threads
                 of every session (0: ``threads``); the image function that has a routing graph may
                 also run beside other calls on it (``narrow`` names it).
-            background: on cpu, each session is set up as load work (``export.runtime.lower_for_load``), its intra-op
-                threads at the caller's (``export.runtime.BackgroundBuiltSession``): the engine
-                asks for it when it loads a model while it serves.
+            background: on cpu, each session is set up as load work
+                (``export.runtime.lower_for_load``), its intra-op threads at the caller's
+                (``export.runtime.BackgroundBuiltSession``): the engine asks for it when it loads
+                a model while it serves batches.
             weights: the package's ``model.safetensors``, which graphs ``exported_files`` bound
                 read their initializers from (hash-checked by the caller).
         """
